@@ -1,0 +1,31 @@
+"""Pick the attention implementation; the choice is static (a Python string)."""
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels import reference
+
+IMPLS = ("auto", "xla", "pallas", "pallas_interpret")
+
+
+def resolve_impl(impl: str) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"unknown attention impl {impl!r}; choose one of {', '.join(IMPLS)}")
+    if impl == "auto":
+        return "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla"
+    return impl
+
+
+def tree_attention(q, k_cache, v_cache, slot_valid, length, k_new, v_new, tree_mask, *,
+                   scale=None, impl: str = "xla", block_size: int | None = None):
+    """Attention of T block queries over the committed cache and the block itself. [B, T, H, D]."""
+    impl = resolve_impl(impl)
+    if impl == "xla":
+        return reference.tree_attention_reference(q, k_cache, v_cache, slot_valid, length, k_new,
+                                                  v_new, tree_mask, scale=scale)
+    from pallas_kernels import kernels  # imported lazily: Pallas is only needed when asked for
+
+    return kernels.tree_attention_pallas(q, k_cache, v_cache, slot_valid, length, k_new, v_new,
+                                         tree_mask, scale=scale,
+                                         interpret=(impl == "pallas_interpret"),
+                                         block_size=block_size)

@@ -1,0 +1,85 @@
+"""Pure-JAX tree attention: the semantics every kernel must match, and the CPU default.
+
+The attention of a draft-verify step: T new queries (the tree, a chain, a prompt chunk, or one
+decode token) attend to
+  * the committed KV cache, where slot s counts iff `slot_valid[b, s]` and `s < length[b]`, and
+  * the T new keys themselves, under `tree_mask[b, i, j]` (ancestor-or-self for a tree, causal for
+    a chain or prompt).
+Shapes: q [B, T, H, D]; k_cache, v_cache [B, S, KVH, D]; k_new, v_new [B, N, KVH, D];
+slot_valid [B, S] bool; length [B] int32; tree_mask [B, T, N] bool (N = T for a target step; a
+draft step's queries also see a buffer of earlier tree nodes, so N >= T there). H is a multiple of KVH
+(grouped-query attention: query head h reads KV head h // (H // KVH)).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+NEG_INF = -1e30
+
+
+def _grouped(q, num_kv_heads):
+    b, t, h, d = q.shape
+    return q.reshape(b, t, num_kv_heads, h // num_kv_heads, d)
+
+
+def cache_attention(q, k_cache, v_cache, slot_valid, length, scale):
+    """Attention of q over the committed cache only. Returns (out [B,T,H,D] f32, lse [B,T,H] f32)."""
+    b, t, h, d = q.shape
+    kvh = k_cache.shape[2]
+    qg = _grouped(q, kvh).astype(jnp.float32)
+    s = jnp.einsum("btkgd,bskd->btkgs", qg, k_cache.astype(jnp.float32)) * scale
+    slots = jnp.arange(k_cache.shape[1])
+    ok = slot_valid & (slots[None, :] < length[:, None])  # [B, S]
+    s = jnp.where(ok[:, None, None, None, :], s, NEG_INF)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.exp(s - m)
+    p = jnp.where(ok[:, None, None, None, :], p, 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("btkgs,bskd->btkgd", p, v_cache.astype(jnp.float32)) / jnp.maximum(l, 1e-30)
+    lse = jnp.where(l[..., 0] > 0, m[..., 0] + jnp.log(jnp.maximum(l[..., 0], 1e-30)), NEG_INF)
+    return o.reshape(b, t, h, d), lse.reshape(b, t, h)
+
+
+def block_attention(q, k_new, v_new, tree_mask, scale):
+    """Attention of q over the T new keys under tree_mask. Returns (out, lse) like cache_attention."""
+    b, t, h, d = q.shape
+    kvh = k_new.shape[2]
+    qg = _grouped(q, kvh).astype(jnp.float32)
+    s = jnp.einsum("btkgd,bskd->btkgs", qg, k_new.astype(jnp.float32)) * scale
+    mask = tree_mask[:, :, None, None, :]
+    s = jnp.where(mask, s, NEG_INF)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(mask, jnp.exp(s - m), 0.0)
+    l = jnp.sum(p, axis=-1, keepdims=True)
+    o = jnp.einsum("btkgs,bskd->btkgd", p, v_new.astype(jnp.float32)) / jnp.maximum(l, 1e-30)
+    lse = jnp.where(l[..., 0] > 0, m[..., 0] + jnp.log(jnp.maximum(l[..., 0], 1e-30)), NEG_INF)
+    return o.reshape(b, t, h, d), lse.reshape(b, t, h)
+
+
+def merge(o1, lse1, o2, lse2):
+    """Combine two partial softmax attentions over disjoint key sets."""
+    m = jnp.maximum(lse1, lse2)
+    w1 = jnp.exp(lse1 - m)[..., None]
+    w2 = jnp.exp(lse2 - m)[..., None]
+    return (o1 * w1 + o2 * w2) / jnp.maximum(w1 + w2, 1e-30)
+
+
+def tree_attention_reference(q, k_cache, v_cache, slot_valid, length, k_new, v_new, tree_mask,
+                             scale=None):
+    """Exact attention over cache + tree (one softmax over the concatenated keys). [B,T,H,D]."""
+    b, t, h, d = q.shape
+    scale = d ** -0.5 if scale is None else scale
+    kvh = k_cache.shape[2]
+    qg = _grouped(q, kvh).astype(jnp.float32)
+    k = jnp.concatenate([k_cache, k_new.astype(k_cache.dtype)], axis=1).astype(jnp.float32)
+    v = jnp.concatenate([v_cache, v_new.astype(v_cache.dtype)], axis=1).astype(jnp.float32)
+    slots = jnp.arange(k_cache.shape[1])
+    ok_cache = slot_valid & (slots[None, :] < length[:, None])  # [B, S]
+    ok = jnp.concatenate([jnp.broadcast_to(ok_cache[:, None, :], (b, t, k_cache.shape[1])),
+                          tree_mask], axis=-1)  # [B, T, S+T]
+    s = jnp.einsum("btkgd,bskd->btkgs", qg, k) * scale
+    s = jnp.where(ok[:, :, None, None, :], s, NEG_INF)
+    p = jax.nn.softmax(s, axis=-1)
+    o = jnp.einsum("btkgs,bskd->btkgd", p, v)
+    return o.reshape(b, t, h, d).astype(q.dtype)

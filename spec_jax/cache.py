@@ -1,0 +1,75 @@
+"""Static-size KV cache: fixed shapes, per-slot validity and positions, writes in place.
+
+Slots `[0, length[b])` of row b hold committed tokens; everything at or past `length[b]` is
+invalid (stale draft K/V, padding) and masked out, never freed or reallocated. A step computes the
+K/V of its T block tokens outside the cache, then `commit` scatters only the accepted ones into
+slots `[length, length + n)`, so the cache stays dense and never grows by rejected tokens.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class KVCache:
+    k: jax.Array  # [L, B, S, KVH, D]
+    v: jax.Array  # [L, B, S, KVH, D]
+    valid: jax.Array  # [B, S] bool: slot holds a committed token
+    pos: jax.Array  # [B, S] int32: RoPE position of the token in the slot (-1 when empty)
+    length: jax.Array  # [B] int32: next free slot
+
+    @property
+    def num_slots(self) -> int:
+        return self.k.shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+
+def init_cache(num_layers, batch, num_slots, num_kv_heads, head_dim, dtype=jnp.float32) -> KVCache:
+    shape = (num_layers, batch, num_slots, num_kv_heads, head_dim)
+    return KVCache(
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        valid=jnp.zeros((batch, num_slots), bool),
+        pos=jnp.full((batch, num_slots), -1, jnp.int32),
+        length=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+def cache_for(cfg, batch: int, num_slots: int) -> KVCache:
+    return init_cache(cfg.num_layers, batch, num_slots, cfg.num_kv_heads, cfg.head_dim,
+                      jnp.dtype(cfg.dtype))
+
+
+def commit(cache: KVCache, k_new, v_new, positions, select, count) -> KVCache:
+    """Append selected block tokens to each row, in place.
+
+    k_new, v_new: [L, B, T, KVH, D] K/V of the step's block; positions: [B, T] their positions;
+    select: [B, A] block indices to keep, in order; count: [B] how many of them are real.
+    Entry j of row b lands in slot length[b] + j; entries j >= count[b] (and anything past the
+    cache end) are routed to the out-of-range slot S and dropped, never wrapped.
+    """
+    s = cache.num_slots
+    b_idx = jnp.arange(select.shape[0])[:, None]  # [B, 1]
+    j = jnp.arange(select.shape[1])[None, :]  # [1, A]
+    slot = cache.length[:, None] + j
+    slot = jnp.where((j < count[:, None]) & (slot < s), slot, s)  # [B, A]
+    kk = k_new[:, b_idx, select]  # [L, B, A, KVH, D]
+    vv = v_new[:, b_idx, select]
+    k = cache.k.at[:, b_idx, slot].set(kk.astype(cache.k.dtype), mode="drop")
+    v = cache.v.at[:, b_idx, slot].set(vv.astype(cache.v.dtype), mode="drop")
+    valid = cache.valid.at[b_idx, slot].set(True, mode="drop")
+    pos = cache.pos.at[b_idx, slot].set(jnp.take_along_axis(positions, select, axis=1), mode="drop")
+    length = jnp.minimum(cache.length + count, s)
+    return KVCache(k=k, v=v, valid=valid, pos=pos, length=length)
+
+
+def rollback(cache: KVCache, new_length) -> KVCache:
+    """Mark slots at or past new_length [B] invalid (used by drafters that re-run a suffix)."""
+    slots = jnp.arange(cache.num_slots)[None, :]
+    keep = slots < new_length[:, None]
+    return cache.replace(valid=cache.valid & keep, length=jnp.minimum(cache.length, new_length))

@@ -1,0 +1,1 @@
+"""Checkpoint conversion: Hugging Face safetensors -> Orbax, and GGUF -> Hugging Face layout."""

@@ -1,0 +1,125 @@
+"""`generate`: plain or speculative decoding of one prompt (or a batch), with measured stats."""
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax.cache import cache_for
+from spec_jax.errors import SpecJaxError
+from spec_jax.heads.base import Drafter
+from spec_jax.step import FINISH_LENGTH, FINISH_STOP, LoopSettings, compiled_loop
+from spec_jax.target import Target
+
+FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    token_ids: list[int]
+    text: str
+    stats: dict[str, Any]
+
+
+def _bucket(n: int, step: int) -> int:
+    return max(step, -(-n // step) * step)
+
+
+def resolve_drafter(target: Target, draft, tree) -> tuple[Drafter, Any]:
+    """(drafter, draft params) from the `draft=` argument of generate."""
+    if draft is None or draft == "none":
+        return Drafter(), ()
+    if isinstance(draft, str) and draft.startswith("ngram"):
+        from spec_jax.heads.ngram import NgramDrafter
+
+        return NgramDrafter.from_tree(tree), ()
+    from spec_jax.heads.registry import DraftHeads
+
+    if isinstance(draft, DraftHeads):
+        draft.check_target(target)
+        return draft.drafter(tree), draft.params
+    raise SpecJaxError(f"unknown draft {draft!r}: pass 'ngram', heads from spec_jax.init_draft / "
+                       "spec_jax.load_draft, or None for plain decoding")
+
+
+def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 128, *,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
+             draft=None, tree=None, attn_impl: str = "xla", stop_at_eos: bool = True,
+             accept_rule: str = "exact") -> GenerationResult:
+    """Generate up to max_new_tokens after `prompt` (a string, or a list of token ids).
+
+    draft: None (plain decoding), "ngram", or heads from `init_draft`/`load_draft`.
+    tree: for tree drafters, "auto"/None (the method's default), "mc_sim_7b_63", "medusa",
+    "chain:N", or a list of paths. Greedy speculative output equals plain greedy output; at
+    temperature > 0 the output distribution equals the target's.
+    """
+    batch = generate_batch(target, [prompt], max_new_tokens, temperature=temperature, top_p=top_p,
+                           seed=seed, chat=chat, draft=draft, tree=tree, attn_impl=attn_impl,
+                           stop_at_eos=stop_at_eos, accept_rule=accept_rule)
+    return batch[0]
+
+
+def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128, *,
+                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
+                   draft=None, tree=None, attn_impl: str = "xla", stop_at_eos: bool = True,
+                   accept_rule: str = "exact") -> list[GenerationResult]:
+    """Like `generate` for several prompts at once (one batch, per-row lengths and acceptance)."""
+    if max_new_tokens < 1:
+        raise SpecJaxError("max_new_tokens must be at least 1")
+    if temperature < 0 or not (0 < top_p <= 1):
+        raise SpecJaxError("temperature must be >= 0 and top_p in (0, 1]")
+    ids = [target.encode(p, chat=chat) for p in prompts]
+    b = len(ids)
+    p_len = max(len(x) for x in ids)
+    p_pad = _bucket(p_len, 64)
+    drafter, dparams = resolve_drafter(target, draft, tree)
+    n_slots = _bucket(p_pad + max_new_tokens + 2 * drafter.tree_size + drafter.max_depth + 1, 128)
+    if p_len + max_new_tokens > target.cfg.max_position_embeddings:
+        raise SpecJaxError(f"prompt ({p_len}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+                           f"{target.cfg.max_position_embeddings} positions: shorten one of them")
+    tokens = np.zeros((b, p_pad), np.int32)
+    for i, x in enumerate(ids):
+        tokens[i, :len(x)] = x
+    greedy = temperature == 0.0
+    settings = LoopSettings(max_new_tokens=max_new_tokens, greedy=greedy,
+                            eos_ids=target.eos_ids if stop_at_eos else (), attn_impl=attn_impl,
+                            accept_rule=accept_rule)
+    cache = cache_for(target.cfg, b, n_slots)
+    args = (target.params, dparams, jnp.asarray(tokens), jnp.asarray([len(x) for x in ids], jnp.int32),
+            cache, jax.random.PRNGKey(seed), jnp.float32(temperature), jnp.float32(top_p))
+    ck = ("loop", drafter, settings, b, p_pad, n_slots)
+    compile_s = 0.0
+    if ck not in target.compiled:
+        t0 = time.perf_counter()
+        target.compiled[ck] = compiled_loop(target.cfg, drafter, settings).lower(*args).compile()
+        compile_s = time.perf_counter() - t0
+    fn = target.compiled[ck]
+    t0 = time.perf_counter()
+    out, n_out, finish, calls, hist, _ = jax.block_until_ready(fn(*args))
+    wall = time.perf_counter() - t0
+    out, n_out, finish, hist = map(np.asarray, (out, n_out, finish, hist))
+    calls = int(calls)
+    results = []
+    for i in range(b):
+        toks = out[i, :n_out[i]].tolist()
+        steps = int(hist[i].sum())
+        stats = {
+            "new_tokens": len(toks),
+            "prompt_tokens": len(ids[i]),
+            "target_calls": steps + 1,  # verify passes + the prefill
+            "mean_accepted": (len(toks) - 1) / steps if steps else 0.0,
+            "acceptance_histogram": hist[i].tolist(),
+            "tokens_per_second": len(toks) / wall if wall > 0 else 0.0,
+            "wall_seconds": wall,
+            "compile_seconds": compile_s,
+            "finish_reason": FINISH_NAMES.get(int(finish[i]), "length"),
+            "method": drafter.method,
+            "tree_tokens": drafter.tree_size,
+            "batch_steps": calls,
+        }
+        results.append(GenerationResult(token_ids=toks, text=target.decode(toks), stats=stats))
+    return results

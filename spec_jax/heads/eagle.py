@@ -1,0 +1,66 @@
+"""EAGLE-1/2 head: fc(concat(embed(token), feature)) 2H->H, one Llama decoder layer without its
+input norm, then the target's frozen final norm and LM head. EAGLE-2 = this head + dynamic tree."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax.heads.feature import FeatureDrafter, draft_attention
+from spec_jax.models.llama import decoder_layer, embed, lm_head, rope_inv_freq
+
+
+def init_layer(cfg, key, scale, in_dim=None, input_norm=True):
+    """Parameters of one (unstacked) Llama decoder layer; q/k/v read `in_dim` features."""
+    h, i = cfg.hidden_size, cfg.intermediate_size
+    in_dim = in_dim or h
+    nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    dt = jnp.dtype(cfg.dtype)
+    ks = jax.random.split(key, 7)
+    nrm = lambda k, shape: (scale * jax.random.normal(k, shape)).astype(dt)
+    p = {"wq": nrm(ks[0], (in_dim, nq)), "wk": nrm(ks[1], (in_dim, nkv)),
+         "wv": nrm(ks[2], (in_dim, nkv)), "wo": nrm(ks[3], (nq, h)), "mlp_norm": jnp.ones((h,), dt),
+         "w_gate": nrm(ks[4], (h, i)), "w_up": nrm(ks[5], (h, i)), "w_down": nrm(ks[6], (i, h))}
+    if input_norm:
+        p["attn_norm"] = jnp.ones((h,), dt)
+    return p
+
+
+def init_params(cfg, key, scale=0.02):
+    h = cfg.hidden_size
+    k1, k2 = jax.random.split(key)
+    dt = jnp.dtype(cfg.dtype)
+    return {"fc_w": (scale * jax.random.normal(k1, (2 * h, h))).astype(dt),
+            "fc_b": jnp.zeros((h,), dt),
+            "layer": init_layer(cfg, k2, scale, input_norm=False)}
+
+
+def full_vocab_topk(tparams, tcfg, feat, k):
+    logits = lm_head(tparams, tcfg, feat)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    v, i = jax.lax.top_k(logp, k)
+    return v, i.astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class EagleDrafter(FeatureDrafter):
+    method: str = "eagle"
+
+    def cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache_k, cache_v,
+             cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask):
+        e = embed(tparams, tokens).astype(feat.dtype)
+        x = jnp.concatenate([e, feat], axis=-1) @ dparams["fc_w"] + dparams["fc_b"]
+        kv = {}
+
+        def attend(q, k, v):
+            kv["k"], kv["v"] = k, v
+            return draft_attention(q, cache_k, cache_v, cache_valid, cache_len, extra_k, extra_v,
+                                   extra_mask, k, v, own_mask, self.attn_impl)
+
+        out, k, v = decoder_layer(dparams["layer"], tcfg, x, positions, rope_inv_freq(tcfg), attend,
+                                  input_norm=False)
+        return out, k, v
+
+    def logp_topk(self, dparams, tparams, tcfg, feat, k):
+        return full_vocab_topk(tparams, tcfg, feat, k)

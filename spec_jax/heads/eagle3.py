@@ -1,0 +1,69 @@
+"""EAGLE-3 head: fuses the target's hidden states at the input of layers 2, L//2 and L-3
+(3H->H fc, no bias). Its decoder layer reads concat(input_norm(embed), hidden_norm(feature)) (2H)
+into q/k/v, keeps the residual from the feature, and after the first step feeds back its own
+(pre-norm) hidden state. Its own LM head covers a draft vocabulary (the most frequent target
+tokens); `d2t` maps draft ids to target ids."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax.heads.eagle import init_layer
+from spec_jax.heads.feature import FeatureDrafter, draft_attention
+from spec_jax.models.llama import apply_rope, embed, rms_norm, rope_inv_freq
+
+
+def init_params(cfg, key, scale=0.02, draft_vocab: int | None = None, d2t=None):
+    h = cfg.hidden_size
+    vd = min(draft_vocab or cfg.vocab_size, cfg.vocab_size)
+    ks = jax.random.split(key, 3)
+    dt = jnp.dtype(cfg.dtype)
+    layer = init_layer(cfg, ks[1], scale, in_dim=2 * h, input_norm=False)
+    layer.update(input_norm=jnp.ones((h,), dt), hidden_norm=jnp.ones((h,), dt))
+    if d2t is None:
+        d2t = jnp.arange(vd, dtype=jnp.int32)
+    return {"fc_w": (scale * jax.random.normal(ks[0], (3 * h, h))).astype(dt),
+            "layer": layer, "norm": jnp.ones((h,), dt),
+            "lm_head": (scale * jax.random.normal(ks[2], (h, vd))).astype(dt),
+            "d2t": jnp.asarray(d2t, jnp.int32)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Drafter(FeatureDrafter):
+    method: str = "eagle3"
+    fused_layers: tuple[int, ...] = ()
+
+    @property
+    def aux_layers(self):
+        return self.fused_layers
+
+    def target_feature(self, dparams, tcfg, hidden, aux_hidden):
+        return (aux_hidden @ dparams["fc_w"]).astype(hidden.dtype)
+
+    def cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache_k, cache_v,
+             cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask):
+        lp = dparams["layer"]
+        b, t, _ = feat.shape
+        d = tcfg.head_dim
+        e = embed(tparams, tokens).astype(feat.dtype)
+        x_in = jnp.concatenate([rms_norm(e, lp["input_norm"], tcfg.rms_norm_eps),
+                                rms_norm(feat, lp["hidden_norm"], tcfg.rms_norm_eps)], axis=-1)
+        inv = rope_inv_freq(tcfg)
+        q = apply_rope((x_in @ lp["wq"]).reshape(b, t, tcfg.num_heads, d), positions, inv)
+        k = apply_rope((x_in @ lp["wk"]).reshape(b, t, tcfg.num_kv_heads, d), positions, inv)
+        v = (x_in @ lp["wv"]).reshape(b, t, tcfg.num_kv_heads, d)
+        a = draft_attention(q, cache_k, cache_v, cache_valid, cache_len, extra_k, extra_v,
+                            extra_mask, k, v, own_mask, self.attn_impl)
+        x = feat + a.reshape(b, t, -1) @ lp["wo"]
+        h = rms_norm(x, lp["mlp_norm"], tcfg.rms_norm_eps)
+        x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+        return x, k, v
+
+    def logp_topk(self, dparams, tparams, tcfg, feat, k):
+        h = rms_norm(feat, dparams["norm"], tcfg.rms_norm_eps)
+        logits = jnp.dot(h, dparams["lm_head"], preferred_element_type=jnp.float32)
+        logp = jax.nn.log_softmax(logits, axis=-1)
+        v, i = jax.lax.top_k(logp, k)
+        return v, dparams["d2t"][i]

@@ -1,0 +1,211 @@
+"""Feature drafters (EAGLE-1/2, EAGLE-3, MTP): a small decoder run autoregressively over features.
+
+The draft model sees pairs (feature at position j, token at j+1) at position j and outputs the
+predicted feature of position j+1, whose logits propose the token at j+2. It keeps its own static KV
+cache over the accepted context (one cache layer per module), always as long as the target's:
+after each verification it re-runs the accepted pairs with the target's fresh features. Tree
+expansion (EAGLE-2) keeps the K/V of expanded nodes in a per-step buffer that is thrown away.
+
+Dynamic tree (EAGLE-2): at depth 1 take the top_k tokens of the root; at each further depth run
+the draft on the top_k frontier nodes, score their top_k children by cumulative log-probability,
+and keep the top_k as the next frontier; finally keep the `total_tokens - 1` best nodes overall.
+A chain (MTP) is the same with top_k = 1.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from spec_jax.cache import KVCache, commit, init_cache
+from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext, accepted_chunk
+from spec_jax.models.llama import causal_mask, embed
+from spec_jax.tree import Tree, ancestor_mask, children_table
+
+
+@flax.struct.dataclass
+class FeatureState:
+    cache: KVCache  # [M, B, S, KVH, D]: one layer per draft module
+    root_feat: jax.Array  # [B, H] draft feature predicted for the root's position
+    root_logp: jax.Array  # [B, k] top-k log-probs of the root's children
+    root_tok: jax.Array  # [B, k] their target token ids
+
+
+@dataclasses.dataclass(frozen=True)
+class FeatureDrafter(Drafter):
+    method: str = "eagle"
+    top_k: int = 8
+    depth: int = 5
+    total_tokens: int = 32  # nodes including the root
+    num_modules: int = 1
+    attn_impl: str = "xla"
+
+    # ---- what each method defines ----
+    def target_feature(self, dparams, tcfg, hidden, aux_hidden):
+        """Target outputs -> draft input features [B, T, H]."""
+        return hidden
+
+    def cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache_k, cache_v,
+             cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask):
+        """One draft step: returns (out_feature [B,T,H], k [B,T,KVH,D], v [B,T,KVH,D])."""
+        raise NotImplementedError
+
+    def logp_topk(self, dparams, tparams, tcfg, feat, k):
+        """Top-k children of draft features [B, N, H]: (logp [B,N,k], target token ids [B,N,k])."""
+        raise NotImplementedError
+
+    # ---- shared machinery ----
+    @property
+    def tree_size(self) -> int:
+        return self.total_tokens
+
+    @property
+    def max_depth(self) -> int:
+        return self.depth
+
+    @property
+    def max_children(self) -> int:
+        return self.top_k
+
+    @property
+    def pool_size(self) -> int:
+        return self.top_k + (self.depth - 1) * self.top_k * self.top_k
+
+    def _attend_cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache: KVCache,
+                     extra_k, extra_v, extra_mask, own_mask):
+        return self.cell(dparams, tparams, tcfg, module, feat, tokens, positions,
+                         cache.k[module], cache.v[module], cache.valid, cache.length,
+                         extra_k, extra_v, extra_mask, own_mask)
+
+    def init_state(self, dparams, tparams, tcfg, batch, num_slots):
+        cache = init_cache(self.num_modules, batch, num_slots, tcfg.num_kv_heads, tcfg.head_dim,
+                           jnp.dtype(tcfg.dtype))
+        k = self.top_k
+        return FeatureState(cache=cache, root_feat=jnp.zeros((batch, tcfg.hidden_size),
+                                                             jnp.dtype(tcfg.dtype)),
+                            root_logp=jnp.zeros((batch, k), jnp.float32),
+                            root_tok=jnp.zeros((batch, k), jnp.int32))
+
+    def _run_chunk(self, dparams, tparams, tcfg, state: FeatureState, feats, next_tok, positions,
+                   valid):
+        """Run all modules over committed pairs [B, A] and append them to the draft cache."""
+        b, a = next_tok.shape
+        count = jnp.sum(valid, axis=1).astype(jnp.int32)
+        empty_k = jnp.zeros((b, 0, tcfg.num_kv_heads, tcfg.head_dim), state.cache.k.dtype)
+        own = causal_mask(b, a)
+        ks, vs, first_out = [], [], None
+        for m in range(self.num_modules):
+            out, k, v = self._attend_cell(dparams, tparams, tcfg, m, feats, next_tok, positions,
+                                          state.cache, empty_k, empty_k,
+                                          jnp.zeros((b, a, 0), bool), own)
+            ks.append(k)
+            vs.append(v)
+            if m == 0:
+                first_out = out
+        select = jnp.broadcast_to(jnp.arange(a, dtype=jnp.int32), (b, a))
+        cache = commit(state.cache, jnp.stack(ks), jnp.stack(vs), positions, select, count)
+        rows = jnp.arange(b)
+        last = jnp.maximum(count - 1, 0)
+        root_feat = jnp.where((count > 0)[:, None], first_out[rows, last], state.root_feat)
+        logp, tok = self.logp_topk(dparams, tparams, tcfg, root_feat[:, None], self.top_k)
+        keep = (count > 0)[:, None]
+        return FeatureState(cache=cache, root_feat=root_feat,
+                            root_logp=jnp.where(keep, logp[:, 0], state.root_logp),
+                            root_tok=jnp.where(keep, tok[:, 0], state.root_tok))
+
+    def after_prefill(self, dparams, tparams, tcfg, state, ctx: PrefillContext):
+        b, p = ctx.tokens.shape
+        feats = self.target_feature(dparams, tcfg, ctx.hidden, ctx.aux_hidden)
+        j = jnp.arange(p)[None, :]
+        shifted = jnp.concatenate([ctx.tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
+        next_tok = jnp.where(j == ctx.prompt_len[:, None] - 1, ctx.first_token[:, None], shifted)
+        positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+        return self._run_chunk(dparams, tparams, tcfg, state, feats, next_tok, positions,
+                               j < ctx.prompt_len[:, None])
+
+    def after_verify(self, dparams, tparams, tcfg, state, ctx: VerifyContext):
+        node, next_tok, valid = accepted_chunk(ctx)
+        rows = jnp.arange(node.shape[0])[:, None]
+        feats_all = self.target_feature(dparams, tcfg, ctx.hidden, ctx.aux_hidden)
+        feats = feats_all[rows, node]
+        positions = ctx.root_pos[:, None] + jnp.arange(node.shape[1])[None, :]
+        return self._run_chunk(dparams, tparams, tcfg, state, feats, next_tok, positions, valid)
+
+    def propose(self, dparams, tparams, tcfg, state: FeatureState, root, key):
+        b = root.shape[0]
+        k, depth = self.top_k, self.depth
+        kvh, hd = tcfg.num_kv_heads, tcfg.head_dim
+        n_buf = max(depth - 1, 1) * k
+        root_pos = state.cache.length  # draft cache is as long as the target's
+        # pool of candidates: tokens, cumulative scores, parent pool index (-1 = root), depth
+        pool_tok = [state.root_tok]
+        pool_score = [state.root_logp]
+        pool_parent = [jnp.full((b, k), -1, jnp.int32)]
+        pool_depth = [jnp.ones((b, k), jnp.int32)]
+        # frontier: k nodes with their pool index, token, score, parent feature, ancestor mask
+        f_idx = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))
+        f_tok, f_score = state.root_tok, state.root_logp
+        f_feat = jnp.broadcast_to(state.root_feat[:, None], (b, k, state.root_feat.shape[-1]))
+        f_anc = jnp.zeros((b, k, n_buf), bool)
+        buf_k = jnp.zeros((b, n_buf, kvh, hd), state.cache.k.dtype)
+        buf_v = jnp.zeros_like(buf_k)
+        eye = jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k))
+        rows = jnp.arange(b)[:, None]
+        base = k
+        for d in range(2, depth + 1):
+            module = (d - 1) % self.num_modules
+            positions = root_pos[:, None] + (d - 2) + jnp.zeros((1, k), jnp.int32)
+            out, kk, vv = self._attend_cell(dparams, tparams, tcfg, module, f_feat, f_tok,
+                                            positions, state.cache, buf_k, buf_v, f_anc, eye)
+            slot0 = (d - 2) * k
+            buf_k = jax.lax.dynamic_update_slice_in_dim(buf_k, kk.astype(buf_k.dtype), slot0, 1)
+            buf_v = jax.lax.dynamic_update_slice_in_dim(buf_v, vv.astype(buf_v.dtype), slot0, 1)
+            logp, tok = self.logp_topk(dparams, tparams, tcfg, out, k)  # [B, k, k]
+            score = f_score[:, :, None] + logp
+            cand_parent = jnp.broadcast_to(f_idx[:, :, None], (b, k, k)).reshape(b, k * k)
+            pool_tok.append(tok.reshape(b, k * k))
+            pool_score.append(score.reshape(b, k * k))
+            pool_parent.append(cand_parent)
+            pool_depth.append(jnp.full((b, k * k), d, jnp.int32))
+            if d < depth:
+                top_s, top_i = jax.lax.top_k(score.reshape(b, k * k), k)
+                par = top_i // k  # which frontier node
+                f_idx = base + top_i
+                f_tok = tok.reshape(b, k * k)[rows, top_i]
+                f_score = top_s
+                f_feat = out[rows, par]
+                self_bit = jax.nn.one_hot(slot0 + par, n_buf, dtype=bool)
+                f_anc = f_anc[rows, par] | self_bit
+            base += k * k
+        tok_all = jnp.concatenate(pool_tok, 1)
+        score_all = jnp.concatenate(pool_score, 1)
+        parent_all = jnp.concatenate(pool_parent, 1)
+        depth_all = jnp.concatenate(pool_depth, 1)
+        n_pick = self.total_tokens - 1
+        # prefer shallower nodes on ties so an ancestor is never dropped before its descendant
+        key_score = score_all - 1e-4 * depth_all.astype(jnp.float32)
+        _, picked = jax.lax.top_k(key_score, n_pick)
+        picked = jnp.sort(picked, axis=1)  # pool order: parents precede children
+        inv = jnp.full((b, self.pool_size), -1, jnp.int32)
+        inv = inv.at[rows, picked].set(jnp.arange(1, n_pick + 1, dtype=jnp.int32))
+        par_pool = parent_all[rows, picked]
+        parent = jnp.where(par_pool < 0, 0, inv[rows, jnp.maximum(par_pool, 0)])
+        parent = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parent], 1)
+        tokens = jnp.concatenate([root[:, None], tok_all[rows, picked]], 1)
+        dep = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), depth_all[rows, picked]], 1)
+        tree = Tree(tokens=tokens.astype(jnp.int32), parent=parent, depth=dep,
+                    mask=ancestor_mask(parent, depth), children=children_table(parent, k))
+        return tree, state
+
+
+def draft_attention(q, cache_k, cache_v, cache_valid, cache_len, extra_k, extra_v, extra_mask,
+                    own_k, own_v, own_mask, impl):
+    """Draft queries over: committed draft cache + tree buffer (extra) + the step's own keys."""
+    from pallas_kernels import tree_attention
+
+    blk_k = jnp.concatenate([extra_k.astype(own_k.dtype), own_k], axis=1)
+    blk_v = jnp.concatenate([extra_v.astype(own_v.dtype), own_v], axis=1)
+    mask = jnp.concatenate([extra_mask, own_mask], axis=2)
+    return tree_attention(q, cache_k, cache_v, cache_valid, cache_len, blk_k, blk_v, mask, impl=impl)

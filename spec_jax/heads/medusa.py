@@ -1,0 +1,92 @@
+"""Medusa heads: K residual blocks x + SiLU(W x + b) (W zero-initialised) on the target's
+normalised last hidden state; head i proposes the token i+2 ahead. The candidates form a static
+tree whose node at depth d with rank r takes the r-th best token of head d-1.
+
+By default every head reads through the target's frozen LM head (`shared_lm_head`); K separate
+vocab-sized heads cost K times the LM head's memory traffic per step, which a small target on a
+CPU cannot afford. Pass own heads (`lm_heads` [K, H, V]) to match the paper exactly."""
+from __future__ import annotations
+
+import dataclasses
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from spec_jax.errors import SpecJaxError
+from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
+from spec_jax.models.llama import rms_norm
+from spec_jax.tree import MEDUSA_DEFAULT, StaticTree, static_tree_batch
+
+
+def init_params(cfg, key, scale=0.0, num_heads: int = 4, own_lm_heads: bool = False):
+    h = cfg.hidden_size
+    dt = jnp.dtype(cfg.dtype)
+    k1, k2 = jax.random.split(key)
+    p = {"w": (scale * jax.random.normal(k1, (num_heads, h, h))).astype(dt),
+         "b": jnp.zeros((num_heads, h), dt)}
+    if own_lm_heads:
+        p["lm_heads"] = (0.02 * jax.random.normal(k2, (num_heads, h, cfg.vocab_size))).astype(dt)
+    return p
+
+
+@flax.struct.dataclass
+class MedusaState:
+    hidden: jax.Array  # [B, H] target hidden at the node that produced the root
+
+
+def medusa_logits(dparams, tparams, tcfg, hidden):
+    """hidden [B, H] -> per-head logits [B, K, V] (float32)."""
+    h = rms_norm(hidden, tparams["final_norm"], tcfg.rms_norm_eps)[:, None, :]  # [B, 1, H]
+    z = h + jax.nn.silu(jnp.einsum("bxh,khd->bkd", h, dparams["w"]) + dparams["b"])
+    if "lm_heads" in dparams:
+        return jnp.einsum("bkh,khv->bkv", z, dparams["lm_heads"], preferred_element_type=jnp.float32)
+    w = tparams["embed"].T if tcfg.tie_word_embeddings else tparams["lm_head"]
+    return jnp.dot(z, w, preferred_element_type=jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class MedusaDrafter(Drafter):
+    method: str = "medusa"
+    tree: StaticTree = StaticTree.from_paths(MEDUSA_DEFAULT)
+    num_heads: int = 4
+
+    def __post_init__(self):
+        if self.tree.max_depth > self.num_heads:
+            raise SpecJaxError(f"tree depth {self.tree.max_depth} exceeds the {self.num_heads} Medusa "
+                               "heads: use a tree no deeper than the number of heads")
+
+    @property
+    def tree_size(self):
+        return self.tree.size
+
+    @property
+    def max_depth(self):
+        return self.tree.max_depth
+
+    @property
+    def max_children(self):
+        return self.tree.arrays()[4].shape[1]
+
+    def init_state(self, dparams, tparams, tcfg, batch, num_slots):
+        return MedusaState(hidden=jnp.zeros((batch, tcfg.hidden_size), jnp.dtype(tcfg.dtype)))
+
+    def after_prefill(self, dparams, tparams, tcfg, state, ctx: PrefillContext):
+        rows = jnp.arange(ctx.tokens.shape[0])
+        return MedusaState(hidden=ctx.hidden[rows, ctx.prompt_len - 1])
+
+    def after_verify(self, dparams, tparams, tcfg, state, ctx: VerifyContext):
+        rows = jnp.arange(ctx.path.shape[0])
+        last = ctx.path[rows, ctx.n_accepted - 1]
+        return MedusaState(hidden=jnp.where(ctx.active[:, None], ctx.hidden[rows, last], state.hidden))
+
+    def propose(self, dparams, tparams, tcfg, state, root, key):
+        parent, depth, rank, _, _, _ = self.tree.arrays()
+        b = root.shape[0]
+        logits = medusa_logits(dparams, tparams, tcfg, state.hidden)  # [B, K, V]
+        r = int(rank.max()) + 1
+        _, top = jax.lax.top_k(logits, r)  # [B, K, r]
+        head = jnp.asarray(depth[1:] - 1)
+        tok = top[:, head, jnp.asarray(rank[1:])]  # [B, T-1]
+        tokens = jnp.concatenate([root[:, None], tok.astype(jnp.int32)], axis=1)
+        return static_tree_batch(self.tree, tokens, b), state

@@ -1,0 +1,46 @@
+"""MTP head (DeepSeek-V3 multi-token prediction): module m computes
+proj(concat(enorm(embed(token)), hnorm(hidden))) (2H->H), one full transformer block, then the
+target's shared final norm and LM head. Used as a chain drafter: depth d runs module (d-1) % M."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax.heads.eagle import full_vocab_topk, init_layer
+from spec_jax.heads.feature import FeatureDrafter, draft_attention
+from spec_jax.models.llama import decoder_layer, embed, rms_norm, rope_inv_freq
+
+
+def init_params(cfg, key, scale=0.02, num_modules: int = 1):
+    h = cfg.hidden_size
+    dt = jnp.dtype(cfg.dtype)
+    mods = []
+    for mk in jax.random.split(key, num_modules):
+        k1, k2 = jax.random.split(mk)
+        mods.append({"enorm": jnp.ones((h,), dt), "hnorm": jnp.ones((h,), dt),
+                     "eh_proj": (scale * jax.random.normal(k1, (2 * h, h))).astype(dt),
+                     "layer": init_layer(cfg, k2, scale, input_norm=True)})
+    return {"modules": jax.tree.map(lambda *a: jnp.stack(a), *mods)}
+
+
+@dataclasses.dataclass(frozen=True)
+class MtpDrafter(FeatureDrafter):
+    method: str = "mtp"
+
+    def cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache_k, cache_v,
+             cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask):
+        mp = jax.tree.map(lambda a: a[module], dparams["modules"])
+        e = embed(tparams, tokens).astype(feat.dtype)
+        x = jnp.concatenate([rms_norm(e, mp["enorm"], tcfg.rms_norm_eps),
+                             rms_norm(feat, mp["hnorm"], tcfg.rms_norm_eps)], axis=-1) @ mp["eh_proj"]
+
+        def attend(q, k, v):
+            return draft_attention(q, cache_k, cache_v, cache_valid, cache_len, extra_k, extra_v,
+                                   extra_mask, k, v, own_mask, self.attn_impl)
+
+        return decoder_layer(mp["layer"], tcfg, x, positions, rope_inv_freq(tcfg), attend)
+
+    def logp_topk(self, dparams, tparams, tcfg, feat, k):
+        return full_vocab_topk(tparams, tcfg, feat, k)

@@ -1,0 +1,139 @@
+"""Draft head sets: make (random), save and load heads of any method, and build their drafter."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from spec_jax.errors import SpecJaxError
+from spec_jax.tree import StaticTree, parse_tree
+
+METHODS = ("eagle", "eagle3", "medusa", "mtp")
+DEFAULT_HPARAMS = {
+    "eagle": {"top_k": 8, "depth": 5, "total_tokens": 32},
+    "eagle3": {"top_k": 8, "depth": 6, "total_tokens": 32, "draft_vocab": 8192},
+    "medusa": {"num_heads": 4},
+    "mtp": {"num_modules": 1, "depth": 3},
+}
+
+
+def target_identity(target) -> dict[str, Any]:
+    c = target.cfg
+    return {"family": c.family, "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
+            "num_layers": c.num_layers, "fingerprint": target.fingerprint()}
+
+
+@dataclasses.dataclass(eq=False)
+class DraftHeads:
+    method: str
+    params: Any
+    hparams: dict
+    target_info: dict
+    tcfg: Any = None
+
+    def check_target(self, target) -> None:
+        mine = self.target_info
+        theirs = target_identity(target)
+        bad = [k for k in ("family", "hidden_size", "vocab_size", "num_layers", "fingerprint")
+               if k in mine and mine[k] != theirs[k]]
+        if bad:
+            raise SpecJaxError(
+                f"these {self.method} heads were trained for another target ({', '.join(bad)} differ: "
+                f"heads {[mine[k] for k in bad]} vs target {[theirs[k] for k in bad]}); "
+                "train heads for this target with `spec-jax train`")
+
+    def drafter(self, tree=None):
+        """The Drafter for these heads; `tree` overrides the tree (see spec_jax.tree.parse_tree)."""
+        hp = dict(self.hparams)
+        t = parse_tree(tree)
+        if self.method == "medusa":
+            from spec_jax.heads.medusa import MedusaDrafter
+
+            kw = {"num_heads": hp["num_heads"]}
+            if isinstance(t, StaticTree):
+                kw["tree"] = t
+            elif isinstance(t, dict):
+                raise SpecJaxError("Medusa uses a static tree: pass a list of paths or 'medusa'")
+            return MedusaDrafter(**kw)
+        dyn = {k: hp[k] for k in ("top_k", "depth", "total_tokens") if k in hp}
+        if self.method == "mtp":
+            dyn = {"top_k": 1, "depth": hp.get("depth", 3), "total_tokens": hp.get("depth", 3) + 1}
+        if isinstance(t, StaticTree):
+            if t.paths != StaticTree.chain(t.max_depth).paths:
+                raise SpecJaxError(f"{self.method} heads take a dynamic tree ('auto', 'dynamic:K,D,N') "
+                                   "or a chain ('chain:N'); static path lists are for Medusa")
+            dyn = {"top_k": 1, "depth": t.max_depth, "total_tokens": t.max_depth + 1}
+        elif isinstance(t, dict):
+            dyn.update(t)
+        if dyn["total_tokens"] > dyn["top_k"] + (dyn["depth"] - 1) * dyn["top_k"] ** 2 + 1:
+            raise SpecJaxError(f"total_tokens {dyn['total_tokens']} exceeds what top_k {dyn['top_k']} "
+                               f"and depth {dyn['depth']} can propose")
+        if self.method == "eagle":
+            from spec_jax.heads.eagle import EagleDrafter
+
+            return EagleDrafter(**dyn)
+        if self.method == "eagle3":
+            from spec_jax.heads.eagle3 import Eagle3Drafter
+
+            return Eagle3Drafter(fused_layers=tuple(hp["fused_layers"]), **dyn)
+        from spec_jax.heads.mtp import MtpDrafter
+
+        return MtpDrafter(num_modules=hp.get("num_modules", 1), **dyn)
+
+
+def init_draft(target, method: str, seed: int = 0, scale: float = 0.02, **hparams) -> DraftHeads:
+    if method not in METHODS:
+        raise SpecJaxError(f"unknown draft method {method!r}: choose one of {', '.join(METHODS)}")
+    hp = {**DEFAULT_HPARAMS[method], **hparams}
+    key = jax.random.PRNGKey(seed)
+    cfg = target.cfg
+    if method == "eagle":
+        from spec_jax.heads.eagle import init_params
+
+        params = init_params(cfg, key, scale)
+    elif method == "eagle3":
+        from spec_jax.heads.eagle3 import init_params
+
+        hp["draft_vocab"] = min(hp["draft_vocab"], cfg.vocab_size)
+        hp["fused_layers"] = list(cfg.eagle3_layers)
+        params = init_params(cfg, key, scale, draft_vocab=hp["draft_vocab"], d2t=hp.pop("d2t", None))
+    elif method == "medusa":
+        from spec_jax.heads.medusa import init_params
+
+        params = init_params(cfg, key, scale, num_heads=hp["num_heads"])
+    else:
+        from spec_jax.heads.mtp import init_params
+
+        params = init_params(cfg, key, scale, num_modules=hp["num_modules"])
+    return DraftHeads(method=method, params=params, hparams=hp, target_info=target_identity(target),
+                      tcfg=cfg)
+
+
+def save_draft(heads: DraftHeads, out_dir, force: bool = False) -> Path:
+    from spec_jax.io import atomic_dir, save_params
+
+    out_dir = Path(out_dir)
+    with atomic_dir(out_dir, force=force) as tmp:
+        save_params(tmp / "params", heads.params)
+        (tmp / "spec_jax.json").write_text(json.dumps(
+            {"kind": "draft", "method": heads.method, "hparams": heads.hparams,
+             "target": heads.target_info}, indent=2))
+    return out_dir
+
+
+def load_draft(path) -> DraftHeads:
+    from spec_jax.io import load_params
+
+    path = Path(path)
+    meta_file = path / "spec_jax.json"
+    if not meta_file.is_file():
+        raise SpecJaxError(f"{path} holds no draft heads (no spec_jax.json): train some with "
+                           "`spec-jax train` or pass 'ngram'")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("kind") != "draft":
+        raise SpecJaxError(f"{path} holds a {meta.get('kind')!r} checkpoint, not draft heads")
+    return DraftHeads(method=meta["method"], params=load_params(path / "params"),
+                      hparams=meta["hparams"], target_info=meta["target"])

@@ -1,0 +1,60 @@
+"""Atomic output directories and Orbax save/restore of parameter pytrees."""
+from __future__ import annotations
+
+import contextlib
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax.errors import SpecJaxError
+
+
+@contextlib.contextmanager
+def atomic_dir(out_dir: Path, force: bool = False):
+    """Yield a temporary sibling folder; rename it to out_dir only if the block succeeds."""
+    out_dir = Path(out_dir).absolute()
+    if out_dir.exists() and not force:
+        raise SpecJaxError(f"{out_dir} already exists: choose another --out or pass --force to replace it")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        yield tmp
+        tmp.chmod(0o755)
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.old-", dir=out_dir.parent))
+            out_dir.rename(old / "x")
+            tmp.rename(out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out_dir)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_params(path: Path, params, dtype: str | None = None) -> None:
+    import orbax.checkpoint as ocp
+
+    if dtype is not None:
+        dt = jnp.dtype(dtype)
+        params = jax.tree.map(lambda a: np.asarray(jnp.asarray(a, dt)), params)
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(Path(path).absolute(), params)
+
+
+def load_params(path: Path):
+    import orbax.checkpoint as ocp
+
+    path = Path(path).absolute()
+    if not path.exists():
+        raise SpecJaxError(f"no parameters at {path}: is this a spec_jax checkpoint directory?")
+    with ocp.StandardCheckpointer() as ckptr:
+        meta = ckptr.metadata(path)
+        tree = getattr(meta, "item_metadata", meta)
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
+        restored = ckptr.restore(path, target)
+    return jax.tree.map(jnp.asarray, restored)  # device arrays, not host numpy

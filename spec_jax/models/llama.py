@@ -1,0 +1,165 @@
+"""Llama-family decoder as pure functions over a parameter pytree (nanoGPT-style, one file).
+
+Parameters (L layers stacked on axis 0, so the layer loop is a `lax.scan` and compile time does not
+grow with depth):
+  embed [V, H]; final_norm [H]; lm_head [H, V] (absent when embeddings are tied);
+  layers: attn_norm [L, H], wq [L, H, NH*D], wk/wv [L, H, KVH*D], wo [L, NH*D, H],
+          (bq [L, NH*D], bk/bv [L, KVH*D] when attention_bias), mlp_norm [L, H],
+          w_gate/w_up [L, H, I], w_down [L, I, H].
+
+One `forward` serves prefill, single-token decode and tree verification: the T block tokens attend
+to the committed cache plus each other under `block_mask`, and their K/V come back separately so the
+caller commits only what it keeps (see `spec_jax.cache.commit`).
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import tree_attention
+from spec_jax.cache import KVCache
+from spec_jax.config import ModelConfig
+
+
+class ForwardOut(NamedTuple):
+    logits: jax.Array | None  # [B, T, V] float32 (None when not requested)
+    hidden: jax.Array  # [B, T, H] final hidden state, before the final norm
+    aux_hidden: jax.Array | None  # [B, T, n_aux * H] inputs of the requested layers, concatenated
+    k_new: jax.Array  # [L, B, T, KVH, D]
+    v_new: jax.Array  # [L, B, T, KVH, D]
+
+
+def rms_norm(x, w, eps):
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
+    """Inverse RoPE frequencies [D/2], with Llama-3 or linear scaling applied."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    rs = cfg.rope_scaling_dict
+    if not rs:
+        return inv
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "linear":
+        return inv / rs["factor"]
+    if kind == "llama3":
+        factor = rs["factor"]
+        low, high = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_ctx = rs.get("original_max_position_embeddings", 8192)
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv
+        inv_l = jnp.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_l / factor + smooth * inv_l
+        is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return jnp.where(is_medium, smoothed, inv_l)
+    return inv
+
+
+def apply_rope(x, positions, inv_freq):
+    """x [B, T, N, D], positions [B, T] -> rotated x (Hugging Face's rotate-half layout)."""
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, D/2]
+    cos = jnp.cos(ang)[:, :, None, :]
+    sin = jnp.sin(ang)[:, :, None, :]
+    xf = x.astype(jnp.float32)
+    x1, x2 = jnp.split(xf, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x.dtype)
+
+
+def init_params(cfg: ModelConfig, key, scale: float = 0.02):
+    """Random parameters (tests and tiny configs)."""
+    L, H, I, V = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    dt = jnp.dtype(cfg.dtype)
+    ks = iter(jax.random.split(key, 16))
+    nrm = lambda shape: (scale * jax.random.normal(next(ks), shape)).astype(dt)
+    layers = {
+        "attn_norm": (1.0 + 0.1 * jax.random.normal(next(ks), (L, H))).astype(dt),
+        "wq": nrm((L, H, nq)), "wk": nrm((L, H, nkv)), "wv": nrm((L, H, nkv)), "wo": nrm((L, nq, H)),
+        "mlp_norm": (1.0 + 0.1 * jax.random.normal(next(ks), (L, H))).astype(dt),
+        "w_gate": nrm((L, H, I)), "w_up": nrm((L, H, I)), "w_down": nrm((L, I, H)),
+    }
+    if cfg.attention_bias:
+        layers.update(bq=nrm((L, nq)), bk=nrm((L, nkv)), bv=nrm((L, nkv)))
+    params = {"embed": nrm((V, H)), "final_norm": jnp.ones((H,), dt), "layers": layers}
+    if not cfg.tie_word_embeddings:
+        params["lm_head"] = nrm((H, V))
+    return params
+
+
+def lm_head(params, cfg: ModelConfig, hidden):
+    """Final norm + LM head: hidden [..., H] -> float32 logits [..., V]."""
+    h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
+    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
+    return jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+
+
+def embed(params, tokens):
+    return jnp.take(params["embed"], tokens, axis=0)
+
+
+def decoder_layer(lp, cfg: ModelConfig, x, positions, inv_freq, attend, input_norm=True):
+    """One pre-norm Llama block. `attend(q, k, v)` does the attention over [cache +] block.
+
+    Returns (x_out, k, v) with k, v [B, T, KVH, D] after RoPE (what a cache stores).
+    `input_norm=False` skips the attention-input RMSNorm (EAGLE's draft layer 0)."""
+    b, t, _ = x.shape
+    d = cfg.head_dim
+    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps) if input_norm else x
+    q = h @ lp["wq"]
+    k = h @ lp["wk"]
+    v = h @ lp["wv"]
+    if "bq" in lp:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q = apply_rope(q.reshape(b, t, cfg.num_heads, d), positions, inv_freq)
+    k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, d), positions, inv_freq)
+    v = v.reshape(b, t, cfg.num_kv_heads, d)
+    a = attend(q, k, v).reshape(b, t, cfg.num_heads * d)
+    x = x + a @ lp["wo"]
+    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+    return x, k, v
+
+
+def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache, block_mask, *,
+            aux_layers: tuple[int, ...] = (), return_logits: bool = True, attn_impl: str = "xla",
+            input_embeds=None) -> ForwardOut:
+    """Run T block tokens per row against the committed cache.
+
+    tokens [B, T] int32; positions [B, T] int32 (RoPE positions; tree nodes use length + depth);
+    block_mask [B, T, T] bool (query i may see block key j); cache: committed context (read only).
+    aux_layers: layers whose *input* hidden state is returned (EAGLE-3 uses 2, L//2, L-3).
+    """
+    x = embed(params, tokens) if input_embeds is None else input_embeds
+    inv_freq = rope_inv_freq(cfg)
+    scale = cfg.head_dim ** -0.5
+
+    def body(x, layer):
+        lp, kc, vc = layer
+
+        def attend(q, k, v):
+            return tree_attention(q, kc, vc, cache.valid, cache.length, k, v, block_mask,
+                                  scale=scale, impl=attn_impl)
+
+        x_out, k, v = decoder_layer(lp, cfg, x, positions, inv_freq, attend)
+        return x_out, (k, v, x if aux_layers else None)
+
+    x, (k_new, v_new, xs_in) = jax.lax.scan(body, x, (params["layers"], cache.k, cache.v))
+    aux = None
+    if aux_layers:
+        aux = jnp.concatenate([xs_in[i] for i in aux_layers], axis=-1)
+    logits = lm_head(params, cfg, x) if return_logits else None
+    return ForwardOut(logits=logits, hidden=x, aux_hidden=aux, k_new=k_new, v_new=v_new)
+
+
+def causal_mask(batch: int, t: int):
+    """[B, T, T] lower-triangular block mask (prompt chunks and chains)."""
+    m = jnp.tril(jnp.ones((t, t), bool))
+    return jnp.broadcast_to(m, (batch, t, t))

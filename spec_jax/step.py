@@ -1,0 +1,149 @@
+"""The jitted draft-verify loop: prefill, then `lax.while_loop` over fixed-shape steps.
+
+One step: the drafter proposes a tree of T nodes (root = last accepted token); the target scores
+the whole tree in one forward pass (tree mask over its committed cache + the tree's own keys, RoPE
+position = length + depth); verification accepts the longest agreeing path and draws the bonus
+token; only the accepted path's K/V is scattered into the target cache (at most D+1 rows a layer),
+so rejected nodes never occupy a slot and everything past `length` stays masked as invalid.
+Plain decoding is the same loop with the one-node tree of `heads.base.Drafter`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from spec_jax.cache import KVCache, commit
+from spec_jax.config import ModelConfig
+from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
+from spec_jax.models.llama import causal_mask, forward
+from spec_jax.verify import sample_token, verify
+
+FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSettings:
+    """Static settings of one compiled loop."""
+
+    max_new_tokens: int
+    greedy: bool = True
+    eos_ids: tuple[int, ...] = ()
+    attn_impl: str = "xla"
+    accept_rule: str = "exact"
+
+
+@flax.struct.dataclass
+class LoopState:
+    cache: KVCache
+    dstate: Any
+    root: jax.Array  # [B] last emitted token (its K/V not yet in the cache)
+    out: jax.Array  # [B, N + D + 1] emitted tokens
+    n_out: jax.Array  # [B]
+    finish: jax.Array  # [B] FINISH_*
+    calls: jax.Array  # [] target forward passes after prefill
+    hist: jax.Array  # [B, D + 1] accepted draft tokens per step (histogram)
+    key: jax.Array
+
+
+def _emit(state_out, n_out, finish, new, count, eos_ids, max_new, active):
+    """Append new [B, A] (count [B] valid) to the outputs, stopping at EOS or max_new."""
+    b, a = new.shape
+    j = jnp.arange(a)[None, :]
+    count = jnp.where(active, count, 0)
+    if eos_ids:
+        is_eos = jnp.isin(new, jnp.asarray(eos_ids)) & (j < count[:, None])
+        first = jnp.min(jnp.where(is_eos, j, a), axis=1)
+        hit_eos = first < count
+        count = jnp.where(hit_eos, first + 1, count)
+    else:
+        hit_eos = jnp.zeros((b,), bool)
+    room = max_new - n_out
+    hit_len = count >= room
+    count = jnp.minimum(count, room)
+    idx = jnp.where(j < count[:, None], n_out[:, None] + j, state_out.shape[1])
+    out = state_out.at[jnp.arange(b)[:, None], idx].set(new, mode="drop")
+    finish = jnp.where(active & hit_eos, FINISH_STOP,
+                       jnp.where(active & hit_len, FINISH_LENGTH, finish))
+    return out, n_out + count, finish
+
+
+def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperature, top_p, *,
+             cfg: ModelConfig, drafter: Drafter, settings: LoopSettings):
+    """Prefill + speculative loop. tokens [B, P] right-padded, prompt_len [B]. Pure; jit it."""
+    b, p = tokens.shape
+    n_slots = cache.num_slots
+    t_size, depth = drafter.tree_size, drafter.max_depth
+    greedy, max_new = settings.greedy, settings.max_new_tokens
+
+    # --- prefill ---
+    positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    fwd = forward(params, cfg, tokens, positions, cache, causal_mask(b, p),
+                  aux_layers=drafter.aux_layers, return_logits=False, attn_impl=settings.attn_impl)
+    rows = jnp.arange(b)
+    from spec_jax.models.llama import lm_head
+
+    last_h = fwd.hidden[rows, prompt_len - 1]  # [B, H]
+    key, k0 = jax.random.split(key)
+    first = sample_token(lm_head(params, cfg, last_h), k0, greedy, temperature, top_p)
+    select = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+    cache = commit(cache, fwd.k_new, fwd.v_new, positions, select, prompt_len)
+    dstate = drafter.init_state(dparams, params, cfg, b, n_slots)
+    dstate = drafter.after_prefill(dparams, params, cfg, dstate, PrefillContext(
+        tokens=tokens, prompt_len=prompt_len, hidden=fwd.hidden, aux_hidden=fwd.aux_hidden,
+        first_token=first))
+    out = jnp.zeros((b, max_new + depth + 1), jnp.int32)
+    finish = jnp.full((b,), FINISH_RUNNING, jnp.int32)
+    out, n_out, finish = _emit(out, jnp.zeros((b,), jnp.int32), finish, first[:, None],
+                               jnp.ones((b,), jnp.int32), settings.eos_ids, max_new,
+                               jnp.ones((b,), bool))
+    finish = jnp.where((finish == FINISH_RUNNING) & (cache.length + t_size > n_slots),
+                       FINISH_LENGTH, finish)
+    state = LoopState(cache=cache, dstate=dstate, root=first, out=out, n_out=n_out, finish=finish,
+                      calls=jnp.zeros((), jnp.int32), hist=jnp.zeros((b, depth + 1), jnp.int32),
+                      key=key)
+
+    def cond(s: LoopState):
+        return jnp.any(s.finish == FINISH_RUNNING)
+
+    def body(s: LoopState):
+        key, kd, kv = jax.random.split(s.key, 3)
+        active = s.finish == FINISH_RUNNING
+        tree, dstate = drafter.propose(dparams, params, cfg, s.dstate, s.root, kd)
+        root_pos = s.cache.length
+        positions = root_pos[:, None] + tree.depth
+        fwd = forward(params, cfg, tree.tokens, positions, s.cache, tree.mask,
+                      aux_layers=drafter.aux_layers, attn_impl=settings.attn_impl)
+        verdict = verify(fwd.logits, tree, kv, greedy=greedy, max_depth=depth,
+                         temperature=temperature, top_p=top_p, accept_rule=settings.accept_rule)
+        n_acc = jnp.where(active, verdict.n_accepted, 0)
+        cache = commit(s.cache, fwd.k_new, fwd.v_new, positions, jnp.maximum(verdict.path, 0), n_acc)
+        # emitted tokens: the accepted draft tokens (path[1:]) then the bonus
+        a = depth + 1
+        j = jnp.arange(a)[None, :]
+        nxt = jnp.concatenate([verdict.path[:, 1:], jnp.full((b, 1), -1, jnp.int32)], axis=1)
+        toks = tree.tokens[rows[:, None], jnp.maximum(nxt, 0)]
+        new = jnp.where(j == (verdict.n_accepted[:, None] - 1), verdict.bonus[:, None], toks)
+        out, n_out, finish = _emit(s.out, s.n_out, s.finish, new, verdict.n_accepted,
+                                   settings.eos_ids, max_new, active)
+        finish = jnp.where((finish == FINISH_RUNNING) & (cache.length + t_size > n_slots),
+                           FINISH_LENGTH, finish)
+        dstate = drafter.after_verify(dparams, params, cfg, dstate, VerifyContext(
+            tree=tree, path=verdict.path, n_accepted=verdict.n_accepted, bonus=verdict.bonus,
+            hidden=fwd.hidden, aux_hidden=fwd.aux_hidden, root_pos=root_pos, active=active))
+        hist = s.hist.at[rows, verdict.n_accepted - 1].add(active.astype(jnp.int32))
+        return LoopState(cache=cache, dstate=dstate, root=jnp.where(active, verdict.bonus, s.root),
+                         out=out, n_out=n_out, finish=finish, calls=s.calls + 1, hist=hist, key=key)
+
+    state = jax.lax.while_loop(cond, body, state)
+    return state.out[:, :max_new], state.n_out, state.finish, state.calls, state.hist, state.cache
+
+
+def compiled_loop(cfg: ModelConfig, drafter: Drafter, settings: LoopSettings):
+    """The jitted loop for these static settings; the cache (argument 4) is donated."""
+    fn = functools.partial(run_loop, cfg=cfg, drafter=drafter, settings=settings)
+    return jax.jit(fn, donate_argnums=(4,))

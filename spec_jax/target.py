@@ -1,0 +1,111 @@
+"""A loaded target model: config, parameters and tokenizer, plus the helpers users call."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax.config import ModelConfig
+from spec_jax.errors import SpecJaxError
+
+
+@dataclasses.dataclass(eq=False)
+class Target:
+    cfg: ModelConfig
+    params: Any
+    tokenizer: Any = None
+    path: Path | None = None
+    # Compiled executables keyed by their static settings; owned by this target, not module state.
+    compiled: dict = dataclasses.field(default_factory=dict, repr=False)
+
+    @property
+    def eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.cfg.eos_token_ids)
+        tok = self.tokenizer
+        if tok is not None and tok.eos_token_id is not None:
+            ids.add(int(tok.eos_token_id))
+        return tuple(sorted(ids))
+
+    def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
+        """Token ids of a prompt: a string (chat template applied when chat=True) or ids as given."""
+        if not isinstance(prompt, str):
+            ids = [int(t) for t in prompt]
+            if not ids:
+                raise SpecJaxError("empty prompt: pass a non-empty string or list of token ids")
+            if min(ids) < 0 or max(ids) >= self.cfg.vocab_size:
+                raise SpecJaxError(f"token ids must lie in [0, {self.cfg.vocab_size})")
+            return ids
+        if self.tokenizer is None:
+            raise SpecJaxError("this target has no tokenizer: pass token ids instead of a string")
+        if chat and getattr(self.tokenizer, "chat_template", None):
+            out = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                     add_generation_prompt=True, tokenize=True)
+            ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+            return [int(t) for t in ids]
+        ids = self.tokenizer(prompt)["input_ids"]
+        if not ids:
+            raise SpecJaxError("the prompt encodes to no tokens: pass a non-empty prompt")
+        return ids
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            return " ".join(map(str, ids))
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
+        """Full-sequence logits [T, V] (float32) for one sequence; used by parity checks."""
+        from spec_jax.cache import cache_for
+        from spec_jax.models.llama import causal_mask, forward
+
+        ids = jnp.asarray(np.asarray(token_ids, np.int32)[None])
+        t = ids.shape[1]
+        out = jax.jit(forward, static_argnums=1, static_argnames="return_logits")(
+            self.params, self.cfg, ids, jnp.arange(t, dtype=jnp.int32)[None],
+            cache_for(self.cfg, 1, 8), causal_mask(1, t))
+        return np.asarray(out.logits[0], np.float32)
+
+    def fingerprint(self) -> str:
+        """A short hash of the architecture and a sample of the weights (draft heads check it)."""
+        h = hashlib.sha256(json.dumps(
+            {k: v for k, v in self.cfg.to_dict().items() if k != "dtype"}, sort_keys=True).encode())
+        emb = np.asarray(jnp.asarray(self.params["embed"][:64, :64], jnp.float32))
+        h.update(np.round(emb, 3).tobytes())
+        return h.hexdigest()[:16]
+
+
+def load_target(path: str | Path, dtype: str | None = None) -> Target:
+    """Load a spec_jax target checkpoint (written by `spec-jax convert` or `spec-jax fetch`)."""
+    from spec_jax.io import load_params
+
+    path = Path(path)
+    meta_file = path / "spec_jax.json"
+    if not meta_file.is_file():
+        raise SpecJaxError(f"{path} is not a spec_jax checkpoint (no spec_jax.json): create one with "
+                           "`spec-jax fetch smollm2-135m-instruct` or `spec-jax convert --hf DIR --out DIR`")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("kind") != "target":
+        raise SpecJaxError(f"{path} holds {meta.get('kind')!r}, not a target model")
+    cfg = ModelConfig.from_dict(meta["config"])
+    params = load_params(path / "params")
+    if dtype is not None and dtype != cfg.dtype:
+        params = jax.tree.map(lambda a: a.astype(jnp.dtype(dtype)), params)
+        cfg = dataclasses.replace(cfg, dtype=dtype)
+    tokenizer = None
+    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+    return Target(cfg=cfg, params=params, tokenizer=tokenizer, path=path)
+
+
+def random_target(cfg: ModelConfig, seed: int = 0, scale: float = 0.02) -> Target:
+    """A target with random weights and no tokenizer (tests, tiny configs)."""
+    from spec_jax.models.llama import init_params
+
+    return Target(cfg=cfg, params=init_params(cfg, jax.random.PRNGKey(seed), scale=scale))

@@ -1,0 +1,185 @@
+"""Draft trees as fixed-size arrays.
+
+A tree of T nodes (node 0 is the root: the last accepted token, not yet in the target cache) is
+  tokens [B, T]  parent [B, T] (-1 for the root)  depth [B, T]  mask [B, T, T] (ancestor-or-self)
+  children [B, T, K] (child node ids in try order, -1 padded).
+Nodes are ordered so that every parent precedes its children. T and K are static; the tokens (and,
+for dynamic trees, the shape) change every step without recompiling.
+
+Static trees are given as lists of paths: each path lists the top-k rank chosen at each depth,
+e.g. EAGLE-1's default `mc_sim_7b_63` or Medusa's trees.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from spec_jax.errors import SpecJaxError
+
+# EAGLE-1's default static tree (25 nodes + root, depth 5).
+MC_SIM_7B_63 = [[0], [1], [2], [3], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
+                [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0],
+                [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 0, 0], [0, 0, 0, 0, 1]]
+
+# A Medusa-style static tree for 4 heads (depth 4, 1 + 26 nodes): wide at depth 1, narrowing deeper.
+MEDUSA_DEFAULT = [[0], [1], [2], [3], [4], [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [3, 0],
+                  [0, 0, 0], [0, 0, 1], [0, 1, 0], [1, 0, 0], [0, 0, 2], [2, 0, 0], [0, 2, 0],
+                  [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 1, 0], [0, 1, 0, 0], [1, 0, 0, 0],
+                  [0, 0, 0, 2], [0, 0, 2, 0]]
+
+
+class Tree(NamedTuple):
+    tokens: jax.Array  # [B, T] int32
+    parent: jax.Array  # [B, T] int32
+    depth: jax.Array  # [B, T] int32
+    mask: jax.Array  # [B, T, T] bool
+    children: jax.Array  # [B, T, K] int32
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticTree:
+    """A compiled static tree (numpy, hashable by its paths). Index 0 is the root."""
+
+    paths: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def from_paths(cls, paths: Sequence[Sequence[int]]) -> "StaticTree":
+        ps = [tuple(int(r) for r in p) for p in paths]
+        if not ps:
+            raise SpecJaxError("a tree needs at least one path")
+        if any(len(p) == 0 or min(p) < 0 for p in ps):
+            raise SpecJaxError("tree paths must be non-empty lists of non-negative ranks")
+        if len(set(ps)) != len(ps):
+            raise SpecJaxError("tree paths must be unique")
+        pset = set(ps)
+        for p in ps:
+            if len(p) > 1 and p[:-1] not in pset:
+                raise SpecJaxError(f"tree path {list(p)} has no parent path {list(p[:-1])}: "
+                                   "every prefix of a path must be in the tree")
+        ps.sort(key=lambda p: (len(p), p))
+        return cls(paths=tuple(ps))
+
+    @classmethod
+    def chain(cls, depth: int) -> "StaticTree":
+        return cls.from_paths([[0] * d for d in range(1, depth + 1)])
+
+    @property
+    def size(self) -> int:
+        return len(self.paths) + 1
+
+    @property
+    def max_depth(self) -> int:
+        return max(len(p) for p in self.paths)
+
+    def arrays(self):
+        """(parent [T], depth [T], rank [T], mask [T, T], children [T, K], retrieve [leaves, D+1])."""
+        index = {(): 0}
+        for i, p in enumerate(self.paths):
+            index[p] = i + 1
+        t = self.size
+        parent = np.full(t, -1, np.int32)
+        depth = np.zeros(t, np.int32)
+        rank = np.zeros(t, np.int32)
+        for p, i in index.items():
+            if p:
+                parent[i], depth[i], rank[i] = index[p[:-1]], len(p), p[-1]
+        mask = ancestor_mask_np(parent)
+        kids = [[j for j in range(t) if parent[j] == i] for i in range(t)]
+        k = max(1, max(len(c) for c in kids))
+        children = np.full((t, k), -1, np.int32)
+        for i, c in enumerate(kids):
+            c.sort(key=lambda j: rank[j])
+            children[i, :len(c)] = c
+        leaves = [i for i in range(t) if not kids[i]]
+        retrieve = np.full((len(leaves), self.max_depth + 1), -1, np.int32)
+        for r, leaf in enumerate(leaves):
+            chain, n = [], leaf
+            while n >= 0:
+                chain.append(n)
+                n = parent[n]
+            retrieve[r, :len(chain)] = chain[::-1]
+        return parent, depth, rank, mask, children, retrieve
+
+
+def ancestor_mask_np(parent: np.ndarray) -> np.ndarray:
+    t = len(parent)
+    mask = np.eye(t, dtype=bool)
+    for i in range(t):
+        j = parent[i]
+        while j >= 0:
+            mask[i, j] = True
+            j = parent[j]
+    return mask
+
+
+def ancestor_mask(parent, max_depth: int):
+    """[B, T] parents (parents precede children) -> [B, T, T] ancestor-or-self mask, in JAX."""
+    b, t = parent.shape
+    eye = jnp.broadcast_to(jnp.eye(t, dtype=bool), (b, t, t))
+    # Pointer doubling would be O(log D); D is small, so walk up max_depth times.
+    anc = parent
+    mask = eye
+    rows = jnp.arange(b)[:, None]
+    for _ in range(max_depth):
+        mask = mask | (jax.nn.one_hot(jnp.where(anc >= 0, anc, t), t + 1, dtype=bool)[..., :t])
+        anc = jnp.where(anc >= 0, parent[rows, jnp.maximum(anc, 0)], -1)
+    return mask
+
+
+def children_table(parent, k: int):
+    """[B, T] parents -> [B, T, k] children in node order (-1 padded)."""
+    b, t = parent.shape
+    is_child = parent[:, None, :] == jnp.arange(t)[None, :, None]  # [B, T(parent), T(child)]
+    order = jnp.cumsum(is_child, axis=-1) - 1  # rank of each child among its siblings
+    slot = jnp.where(is_child & (order < k), order, k)  # [B, T, T]
+    kids = jnp.full((b, t, k + 1), -1, jnp.int32)
+    bi = jnp.arange(b)[:, None, None]
+    pi = jnp.arange(t)[None, :, None]
+    ci = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, None, :], (b, t, t))
+    kids = kids.at[bi, pi, slot].max(jnp.where(is_child, ci, -1))
+    return kids[..., :k]
+
+
+def static_tree_batch(tree: StaticTree, tokens, batch: int) -> Tree:
+    """Wrap per-step tokens [B, T] with a static tree's structure."""
+    parent, depth, _, mask, children, _ = tree.arrays()
+    bc = lambda a: jnp.broadcast_to(jnp.asarray(a), (batch,) + a.shape)
+    return Tree(tokens=tokens, parent=bc(parent), depth=bc(depth), mask=bc(mask),
+                children=bc(children))
+
+
+def parse_tree(spec):
+    """User tree option -> None / "auto" / StaticTree / dict of dynamic-tree settings.
+
+    Accepts None or "auto" (the method's default), "mc_sim_7b_63", "medusa", "chain:N",
+    "dynamic:TOP_K,DEPTH,TOTAL", a dict with those keys, or a list (or JSON list) of paths."""
+    import json
+
+    if spec is None or isinstance(spec, (StaticTree, dict)):
+        return spec
+    if isinstance(spec, str):
+        s = spec.strip()
+        if s in ("auto", "dynamic"):
+            return s
+        if s == "mc_sim_7b_63":
+            return StaticTree.from_paths(MC_SIM_7B_63)
+        if s == "medusa":
+            return StaticTree.from_paths(MEDUSA_DEFAULT)
+        if s.startswith("dynamic:"):
+            try:
+                k, d, n = (int(x) for x in s.split(":", 1)[1].split(","))
+            except ValueError:
+                raise SpecJaxError(f"cannot read {spec!r}: write dynamic:TOP_K,DEPTH,TOTAL_TOKENS") from None
+            return {"top_k": k, "depth": d, "total_tokens": n}
+        if s.startswith("chain:"):
+            return StaticTree.chain(int(s.split(":", 1)[1]))
+        try:
+            spec = json.loads(s)
+        except json.JSONDecodeError:
+            raise SpecJaxError(f"cannot read tree {spec!r}: use auto, mc_sim_7b_63, medusa, chain:N "
+                               "or a JSON list of paths such as [[0],[1],[0,0]]") from None
+    return StaticTree.from_paths(spec)

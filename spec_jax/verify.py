@@ -1,0 +1,103 @@
+"""Verification: accept the longest path of the draft tree that the target agrees with.
+
+Greedy: a child is accepted iff it is the target's argmax at its parent; the bonus token is the
+argmax after the last accepted node.
+
+Sampling (temperature > 0, top-p): recursive rejection sampling for deterministic (top-k) drafts,
+as in EAGLE-2/SGLang/vLLM: at the current node, try its children in order; accept child x with
+probability p(x) / sum(p), where p is the target's processed distribution at the node; on rejection
+set p(x) = 0 (the residual max(p - q, 0) with q one-hot at x) and try the next child; if all are
+rejected, the bonus token is drawn from the residual. The output distribution is exactly the
+target's, whatever the draft proposes.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from spec_jax.tree import Tree
+
+
+class Verdict(NamedTuple):
+    path: jax.Array  # [B, D+1] accepted node ids (root first), -1 padded
+    n_accepted: jax.Array  # [B] nodes on the path including the root (>= 1)
+    bonus: jax.Array  # [B] the target's token after the path
+
+
+def target_probs(logits, temperature, top_p):
+    """Processed target distribution: temperature, then nucleus (top-p). logits [..., V] f32."""
+    logits = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+    probs = jax.nn.softmax(logits, axis=-1)
+    sorted_p = jnp.sort(probs, axis=-1)[..., ::-1]
+    cum = jnp.cumsum(sorted_p, axis=-1)
+    # keep the smallest prefix with mass >= top_p: a token is kept iff the mass before it < top_p
+    keep_sorted = (cum - sorted_p) < top_p
+    threshold = jnp.min(jnp.where(keep_sorted, sorted_p, jnp.inf), axis=-1, keepdims=True)
+    probs = jnp.where(probs >= threshold, probs, 0.0)
+    return probs / jnp.sum(probs, axis=-1, keepdims=True)
+
+
+def sample_token(logits, key, greedy: bool, temperature, top_p):
+    """One token per row from logits [B, V]."""
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    p = target_probs(logits, temperature, top_p)
+    return jax.random.categorical(key, jnp.log(p), axis=-1).astype(jnp.int32)
+
+
+def verify(logits, tree: Tree, key, *, greedy: bool, max_depth: int, temperature=1.0,
+           top_p=1.0, accept_rule: str = "exact") -> Verdict:
+    """Walk the tree from the root. logits [B, T, V] are the target's at every node.
+
+    accept_rule="broken" accepts any child whose target probability exceeds 0 (a deliberately
+    wrong rule that tests use to show that the losslessness test has teeth)."""
+    b, t, v = logits.shape
+    k = tree.children.shape[-1]
+    rows = jnp.arange(b)
+    if greedy:
+        best = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
+    else:
+        probs = target_probs(logits, temperature, top_p)  # [B, T, V]
+    keys = jax.random.split(key, max_depth * k + 1)
+
+    def at_node(node):
+        return probs[rows, node] if not greedy else None
+
+    cur = jnp.zeros((b,), jnp.int32)
+    alive = jnp.ones((b,), bool)
+    p = at_node(cur)
+    path = jnp.full((b, max_depth + 1), -1, jnp.int32).at[:, 0].set(0)
+    n_acc = jnp.ones((b,), jnp.int32)
+    for d in range(max_depth):
+        accepted = jnp.zeros((b,), bool)
+        nxt = cur
+        for c in range(k):
+            child = tree.children[rows, cur, c]  # [B]
+            has = alive & ~accepted & (child >= 0)
+            tok = tree.tokens[rows, jnp.maximum(child, 0)]
+            if greedy:
+                ok = has & (tok == best[rows, cur])
+            else:
+                px = p[rows, tok]
+                u = jax.random.uniform(keys[d * k + c], (b,))
+                if accept_rule == "broken":
+                    ok = has & (px > 0)
+                else:
+                    ok = has & (u * jnp.sum(p, axis=-1) < px)
+                # rejected: remove x from the residual
+                p = jnp.where((has & ~ok)[:, None], p.at[rows, tok].set(0.0), p)
+            nxt = jnp.where(ok, child, nxt)
+            accepted = accepted | ok
+        cur = nxt
+        if not greedy:
+            p = jnp.where(accepted[:, None], probs[rows, cur], p)
+        path = path.at[:, d + 1].set(jnp.where(accepted, cur, -1))
+        n_acc = n_acc + accepted.astype(jnp.int32)
+        alive = alive & accepted
+    if greedy:
+        bonus = best[rows, cur]
+    else:
+        bonus = jax.random.categorical(keys[-1], jnp.log(p), axis=-1).astype(jnp.int32)
+    return Verdict(path=path, n_accepted=n_acc, bonus=bonus)
