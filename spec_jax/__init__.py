@@ -1,4 +1,8 @@
 """spec_jax: speculative decoding with in-model draft heads (EAGLE-1/2/3, Medusa, MTP) in JAX."""
+from spec_jax._xla import apply_defaults as _apply_xla_defaults
+
+_apply_xla_defaults()
+
 from spec_jax.config import ModelConfig
 from spec_jax.errors import SpecJaxError
 from spec_jax.generate import GenerationResult, generate, generate_batch

@@ -1,0 +1,207 @@
+"""`spec-jax` command line: fetch, convert, generate, demo, distill, train, bench.
+
+Errors a user can fix print one line (`spec-jax: error: ...`) and exit with status 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from spec_jax.errors import SpecJaxError
+
+DEFAULT_MODEL = Path("checkpoints") / "smollm2-135m-instruct"
+DEFAULT_DRAFT = Path("checkpoints") / "smollm2-135m-instruct-eagle"
+DEMO_PROMPTS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "Give three tips for staying focused while studying.",
+]
+
+
+def _draft_arg(target, draft: str | None):
+    if draft in (None, "none", "plain"):
+        return None
+    if draft == "ngram":
+        return "ngram"
+    if draft.startswith("random:"):
+        import spec_jax
+
+        return spec_jax.init_draft(target, draft.split(":", 1)[1])
+    import spec_jax
+
+    return spec_jax.load_draft(draft)
+
+
+def cmd_fetch(a):
+    from spec_jax.convert.fetch import fetch
+
+    out = fetch(a.name, a.out, dtype=a.dtype, force=a.force)
+    print(f"wrote {out}")
+
+
+def cmd_convert(a):
+    from spec_jax.convert.hf import convert_hf
+
+    out = convert_hf(a.hf, a.out, dtype=a.dtype, force=a.force)
+    print(f"wrote {out}")
+
+
+def cmd_generate(a):
+    import spec_jax
+
+    target = spec_jax.load_target(a.model)
+    draft = _draft_arg(target, a.draft)
+    r = spec_jax.generate(target, a.prompt, max_new_tokens=a.max_new_tokens,
+                          temperature=a.temperature, top_p=a.top_p, seed=a.seed, chat=not a.no_chat,
+                          draft=draft, tree=a.tree, attn_impl=a.attn_impl)
+    if a.json:
+        print(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": r.stats}))
+    else:
+        print(r.text)
+        s = r.stats
+        print(f"[{s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, "
+              f"{s['mean_accepted']:.2f} tokens/target call, finish={s['finish_reason']}]",
+              file=sys.stderr)
+
+
+def cmd_demo(a):
+    import spec_jax
+    from spec_jax.convert.fetch import fetch
+
+    model = Path(a.model)
+    if not (model / "spec_jax.json").is_file():
+        print(f"fetching SmolLM2-135M-Instruct into {model} ...", flush=True)
+        fetch("smollm2-135m-instruct", model, force=model.exists())
+    target = spec_jax.load_target(model)
+    drafts = [("plain", None), ("ngram", "ngram")]
+    if Path(a.draft).is_dir():
+        drafts.append((f"{spec_jax.load_draft(a.draft).method} ({a.draft})", spec_jax.load_draft(a.draft)))
+    else:
+        print(f"(no trained heads at {a.draft}; showing plain and n-gram decoding)")
+    for prompt in DEMO_PROMPTS:
+        print(f"\n### {prompt}")
+        for name, draft in drafts:
+            spec_jax.generate(target, prompt, max_new_tokens=8, draft=draft)  # compile
+            r = spec_jax.generate(target, prompt, max_new_tokens=a.max_new_tokens, draft=draft)
+            s = r.stats
+            if name == "plain":
+                print(r.text.strip())
+            print(f"  {name:<28} {s['tokens_per_second']:6.1f} tok/s  "
+                  f"{s['mean_accepted']:.2f} tokens/call  ({s['new_tokens']} tokens)")
+
+
+def cmd_distill(a):
+    import spec_jax
+    from spec_jax.train.distill import distill
+
+    target = spec_jax.load_target(a.model)
+    distill(target, a.data, a.out, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
+            batch_size=a.batch_size, temperature=a.temperature, seed=a.seed)
+
+
+def cmd_train(a):
+    from spec_jax.train.loop import train_cli
+
+    train_cli(a)
+
+
+def cmd_bench(a):
+    from spec_jax.bench import bench_cli
+
+    bench_cli(a)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="spec-jax", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    f = sub.add_parser("fetch", help="download and convert a known model (smollm2-135m-instruct)")
+    f.add_argument("name")
+    f.add_argument("--out", default=None)
+    f.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    f.add_argument("--force", action="store_true", help="replace an existing output")
+    f.set_defaults(fn=cmd_fetch)
+
+    c = sub.add_parser("convert", help="convert a Hugging Face directory to an Orbax checkpoint")
+    c.add_argument("--hf", required=True)
+    c.add_argument("--out", required=True)
+    c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    c.add_argument("--force", action="store_true")
+    c.set_defaults(fn=cmd_convert)
+
+    g = sub.add_parser("generate", help="generate text, plainly or speculatively")
+    g.add_argument("--model", default=str(DEFAULT_MODEL))
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--draft", default=None,
+                   help="heads directory, 'ngram', 'random:METHOD' (untrained), or omit for plain")
+    g.add_argument("--tree", default=None,
+                   help="auto | mc_sim_7b_63 | medusa | chain:N | dynamic:K,D,N | JSON list of paths")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    g.add_argument("--attn-impl", default="xla", choices=["auto", "xla", "pallas", "pallas_interpret"])
+    g.add_argument("--json", action="store_true")
+    g.set_defaults(fn=cmd_generate)
+
+    d = sub.add_parser("demo", help="fetch SmolLM2 if needed, then decode sample prompts")
+    d.add_argument("--model", default=str(DEFAULT_MODEL))
+    d.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    d.add_argument("--max-new-tokens", type=int, default=96)
+    d.set_defaults(fn=cmd_demo)
+
+    s = sub.add_parser("distill", help="self-distillation data: the target answers train prompts")
+    s.add_argument("--model", default=str(DEFAULT_MODEL))
+    s.add_argument("--data", default="../shared/data/train")
+    s.add_argument("--out", required=True)
+    s.add_argument("--num-prompts", type=int, default=1000)
+    s.add_argument("--max-new-tokens", type=int, default=160)
+    s.add_argument("--batch-size", type=int, default=16)
+    s.add_argument("--temperature", type=float, default=0.0)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=cmd_distill)
+
+    t = sub.add_parser("train", help="train draft heads on self-distillation data")
+    t.add_argument("--model", default=str(DEFAULT_MODEL))
+    t.add_argument("--method", required=True, choices=["eagle", "eagle3", "medusa", "mtp"])
+    t.add_argument("--data", required=True, help="a folder written by `spec-jax distill`")
+    t.add_argument("--out", required=True)
+    t.add_argument("--steps", type=int, default=2000)
+    t.add_argument("--batch-size", type=int, default=8)
+    t.add_argument("--seq-len", type=int, default=256)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--resume", action="store_true")
+    t.add_argument("--force", action="store_true")
+    t.add_argument("--seed", type=int, default=0)
+    t.set_defaults(fn=cmd_train)
+
+    b = sub.add_parser("bench", help="measure plain vs speculative decoding on prompt sets")
+    b.add_argument("--model", default=str(DEFAULT_MODEL))
+    b.add_argument("--drafts", nargs="*", default=["ngram"])
+    b.add_argument("--prompts", nargs="+", default=["../shared/data/eval/mt_bench/question.jsonl"])
+    b.add_argument("--limit", type=int, default=10)
+    b.add_argument("--max-new-tokens", type=int, default=256)
+    b.add_argument("--out", default="bench_out")
+    b.add_argument("--calibrate", action="store_true")
+    b.set_defaults(fn=cmd_bench)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except SpecJaxError as e:
+        print(f"spec-jax: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("spec-jax: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

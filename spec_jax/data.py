@@ -1,0 +1,75 @@
+"""Prompt sets: read the formats of ../shared/data (jsonl with a prompt-like field, JSON lists,
+MT-bench/Vicuna-bench `turns`, HumanEval .jsonl.gz) into (id, category, prompt) records."""
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+from typing import Iterator, NamedTuple
+
+from spec_jax.errors import SpecJaxError
+
+PROMPT_FIELDS = ("prompt", "question", "instruction", "text", "turns")
+
+
+class Prompt(NamedTuple):
+    source: str
+    id: str
+    category: str
+    text: str
+
+
+def _text_of(rec) -> str | None:
+    if isinstance(rec, str):
+        return rec
+    if not isinstance(rec, dict):
+        return None
+    if "turns" in rec and rec["turns"]:
+        return rec["turns"][0]  # first turn: a single-turn benchmark
+    for f in ("prompt", "question", "instruction", "text"):
+        if rec.get(f):
+            extra = rec.get("input") or ""
+            return rec[f] + (("\n\n" + extra) if isinstance(extra, str) and extra.strip() else "")
+    return None
+
+
+def _records(path: Path):
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        if path.suffix == ".json":
+            data = json.load(f)
+            yield from (data if isinstance(data, list) else [data])
+            return
+        for line in f:
+            line = line.strip()
+            if line:
+                yield json.loads(line)
+
+
+def read_prompts(path: str | Path) -> list[Prompt]:
+    """All prompts of one file, or of every data file under a folder."""
+    path = Path(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*")
+                       if p.is_file() and (p.suffix in (".json", ".jsonl") or p.name.endswith(".jsonl.gz")))
+        if not files:
+            raise SpecJaxError(f"no .json/.jsonl/.jsonl.gz prompt files under {path}")
+        return [p for f in files for p in read_prompts(f)]
+    if not path.is_file():
+        raise SpecJaxError(f"prompt file {path} does not exist")
+    out = []
+    for i, rec in enumerate(_records(path)):
+        text = _text_of(rec)
+        if not text:
+            continue
+        rid = str(rec.get("question_id", rec.get("task_id", rec.get("id", i)))) if isinstance(rec, dict) else str(i)
+        cat = rec.get("category", "") if isinstance(rec, dict) else ""
+        out.append(Prompt(source=path.parent.name, id=rid, category=cat or path.parent.name, text=text))
+    if not out:
+        raise SpecJaxError(f"{path} has no records with a prompt field ({', '.join(PROMPT_FIELDS)})")
+    return out
+
+
+def iter_batches(items, size) -> Iterator[list]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]

@@ -1,0 +1,70 @@
+"""Plain decoding on a tiny random model: the jitted loop equals naive recomputation."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spec_jax
+from spec_jax.errors import SpecJaxError
+from tests.conftest import tiny_config
+
+
+def naive_greedy(target, prompt, n):
+    ids = list(prompt)
+    for _ in range(n):
+        ids.append(int(np.argmax(target.logits(ids)[-1])))
+    return ids[len(prompt):]
+
+
+@pytest.mark.parametrize("plen", [1, 7, 64, 65])
+def test_plain_greedy_matches_naive_recompute(tiny_target, plen):
+    prompt = list(np.random.RandomState(plen).randint(0, 64, plen))
+    r = spec_jax.generate(tiny_target, prompt, max_new_tokens=12, stop_at_eos=False)
+    assert r.token_ids == naive_greedy(tiny_target, prompt, 12)
+    assert r.stats["new_tokens"] == 12
+    assert r.stats["target_calls"] == 12  # prefill + 11 single-token steps
+    assert r.stats["finish_reason"] == "length"
+
+
+def test_batch_rows_with_different_lengths_match_single_rows(tiny_target):
+    prompts = [[1, 2, 3], list(range(5, 30)), [9]]
+    batch = spec_jax.generate_batch(tiny_target, prompts, max_new_tokens=10, stop_at_eos=False)
+    for p, r in zip(prompts, batch):
+        assert r.token_ids == spec_jax.generate(tiny_target, p, 10, stop_at_eos=False).token_ids
+
+
+def test_stops_at_eos_and_reports_stop():
+    cfg = tiny_config(eos_token_ids=(0,))
+    target = spec_jax.random_target(cfg, seed=0, scale=0.3)
+    prompt = [3, 4, 5]
+    free = spec_jax.generate(target, prompt, 40, stop_at_eos=False).token_ids
+    eos = [t for t in free]
+    target_eos = int(eos[5])
+    target2 = spec_jax.random_target(tiny_config(eos_token_ids=(target_eos,)), seed=0, scale=0.3)
+    r = spec_jax.generate(target2, prompt, 40)
+    cut = free.index(target_eos) + 1
+    assert r.token_ids == free[:cut]
+    assert r.stats["finish_reason"] == "stop"
+
+
+def test_compiles_once_per_shape(tiny_target):
+    spec_jax.generate(tiny_target, [1, 2, 3], 9)
+    r = spec_jax.generate(tiny_target, [4, 5, 6, 7], 9)
+    assert r.stats["compile_seconds"] == 0.0  # same prompt bucket and settings: no recompilation
+
+
+def test_sampling_is_seeded(tiny_target):
+    a = spec_jax.generate(tiny_target, [1, 2], 16, temperature=1.0, seed=3).token_ids
+    b = spec_jax.generate(tiny_target, [1, 2], 16, temperature=1.0, seed=3).token_ids
+    c = spec_jax.generate(tiny_target, [1, 2], 16, temperature=1.0, seed=4).token_ids
+    assert a == b and a != c
+
+
+def test_bad_input_raises_clear_errors(tiny_target):
+    with pytest.raises(SpecJaxError, match="max_new_tokens"):
+        spec_jax.generate(tiny_target, [1], 0)
+    with pytest.raises(SpecJaxError, match="token ids"):
+        spec_jax.generate(tiny_target, [1, 999], 4)
+    with pytest.raises(SpecJaxError, match="tokenizer"):
+        spec_jax.generate(tiny_target, "hello", 4)
+    with pytest.raises(SpecJaxError, match="unknown draft"):
+        spec_jax.generate(tiny_target, [1], 4, draft="nonsense")

@@ -1,0 +1,94 @@
+"""Speculative decoding on tiny random models: greedy output equals plain decoding for every
+drafter, tree and prompt length; stats are right on a hand-counted example."""
+import numpy as np
+import pytest
+
+import spec_jax
+from spec_jax.errors import SpecJaxError
+from tests.conftest import tiny_config
+
+SMALL_TREES = {
+    "eagle": ["dynamic:3,3,8", "chain:2"],
+    "eagle3": ["dynamic:2,4,7"],
+    "mtp": [None],
+    "medusa": ["[[0],[1],[0,0],[1,0],[0,1],[0,0,0]]", "chain:2"],
+}
+
+
+@pytest.fixture(scope="module")
+def heads(tiny_target):
+    kw = {"eagle3": {"draft_vocab": 48}, "mtp": {"num_modules": 2, "depth": 3}}
+    return {m: spec_jax.init_draft(tiny_target, m, seed=7, scale=0.3, **kw.get(m, {}))
+            for m in SMALL_TREES}
+
+
+@pytest.mark.parametrize("method,tree", [(m, t) for m, ts in SMALL_TREES.items() for t in ts]
+                         + [("ngram", None)])
+def test_greedy_speculative_equals_plain(tiny_target, heads, method, tree):
+    draft = "ngram" if method == "ngram" else heads[method]
+    for seed, plen in [(0, 1), (1, 9), (2, 70)]:
+        rng = np.random.RandomState(seed)
+        # repetitive prompts give the n-gram drafter something to find
+        prompt = list(np.tile(rng.randint(0, 64, 5), 20)[:plen])
+        plain = spec_jax.generate(tiny_target, prompt, 24, stop_at_eos=False)
+        spec = spec_jax.generate(tiny_target, prompt, 24, draft=draft, tree=tree, stop_at_eos=False)
+        assert spec.token_ids == plain.token_ids, (method, tree, seed)
+        s = spec.stats
+        assert s["new_tokens"] == 24
+        steps = sum(s["acceptance_histogram"])
+        assert s["target_calls"] == steps + 1
+        # every step emits accepted + 1 tokens; the last step may be cut by max_new_tokens
+        emitted = sum(i * c for i, c in enumerate(s["acceptance_histogram"])) + steps
+        assert emitted >= 23 > emitted - (len(s["acceptance_histogram"]))
+
+
+def test_batch_speculative_rows_are_independent(tiny_target, heads):
+    prompts = [[1, 2, 3], list(range(10, 50)), [7] * 12]
+    batch = spec_jax.generate_batch(tiny_target, prompts, 16, draft=heads["eagle"],
+                                    tree="dynamic:3,3,8", stop_at_eos=False)
+    for p, r in zip(prompts, batch):
+        assert r.token_ids == spec_jax.generate(tiny_target, p, 16, stop_at_eos=False).token_ids
+
+
+def test_stats_on_a_hand_counted_example():
+    """A target that repeats a 4-token cycle: once the cycle is in the context, the n-gram drafter
+    (depth 3) proposes it exactly, so every step accepts 3 draft tokens + 1 bonus."""
+    import jax.numpy as jnp
+
+    cfg = tiny_config(vocab_size=8, num_layers=1)
+    target = spec_jax.random_target(cfg, seed=0)
+    # make logits depend only on the current token: next(t) = (t + 1) % 4
+    p = dict(target.params)
+    p["layers"] = {k: (v * 0 if k in ("wo", "w_down") else v) for k, v in p["layers"].items()}
+    emb = jnp.eye(8, 32) * 10.0
+    p["embed"] = emb
+    nxt = (jnp.arange(8) + 1) % 4
+    p["lm_head"] = jnp.zeros((32, 8)).at[jnp.arange(8), nxt].set(1.0)
+    p["final_norm"] = jnp.ones((32,))
+    target.params = p
+    prompt = [0, 1, 2, 3, 0, 1]
+    plain = spec_jax.generate(target, prompt, 13, stop_at_eos=False)
+    assert plain.token_ids == [2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2]
+    r = spec_jax.generate(target, prompt, 13, draft="ngram", tree="chain:3", stop_at_eos=False)
+    assert r.token_ids == plain.token_ids
+    # prefill emits 1 token; then 3 steps of 4 tokens = 13
+    assert r.stats["acceptance_histogram"] == [0, 0, 0, 3]
+    assert r.stats["target_calls"] == 4
+    assert r.stats["mean_accepted"] == 4.0
+
+
+def test_random_heads_accept_little_but_work(tiny_target, heads):
+    r = spec_jax.generate(tiny_target, [5, 6, 7], 30, draft=heads["eagle"], tree="dynamic:3,3,8",
+                          stop_at_eos=False)
+    assert r.stats["new_tokens"] == 30 and r.stats["mean_accepted"] < 2.0
+
+
+def test_medusa_tree_deeper_than_heads_is_an_error(tiny_target, heads):
+    with pytest.raises(SpecJaxError, match="exceeds the 4 Medusa heads"):
+        spec_jax.generate(tiny_target, [1], 4, draft=heads["medusa"], tree="chain:5")
+
+
+def test_heads_for_another_target_are_refused(tiny_target, heads):
+    other = spec_jax.random_target(tiny_config(), seed=1)
+    with pytest.raises(SpecJaxError, match="trained for another target"):
+        spec_jax.generate(other, [1], 4, draft=heads["eagle"])

@@ -1,0 +1,77 @@
+"""Tree compilation: property tests (hypothesis) and the JAX helpers against numpy."""
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from spec_jax.errors import SpecJaxError
+from spec_jax.tree import (MC_SIM_7B_63, MEDUSA_DEFAULT, StaticTree, ancestor_mask, ancestor_mask_np,
+                           children_table, parse_tree)
+
+
+@st.composite
+def path_trees(draw):
+    """Random prefix-closed sets of rank paths."""
+    paths = set()
+    for _ in range(draw(st.integers(1, 30))):
+        depth = draw(st.integers(1, 5))
+        p = tuple(draw(st.integers(0, 3)) for _ in range(depth))
+        for i in range(1, len(p) + 1):
+            paths.add(p[:i])
+    return [list(p) for p in paths]
+
+
+@settings(max_examples=60, deadline=None)
+@given(path_trees())
+def test_static_tree_arrays_are_consistent(paths):
+    tree = StaticTree.from_paths(paths)
+    parent, depth, rank, mask, children, retrieve = tree.arrays()
+    t = tree.size
+    index = {(): 0, **{p: i + 1 for i, p in enumerate(tree.paths)}}
+    for p, i in index.items():
+        assert depth[i] == len(p)  # position offset = depth
+        anc = {index[p[:j]] for j in range(len(p) + 1)}
+        assert set(np.nonzero(mask[i])[0]) == anc  # mask is exactly ancestor-or-self
+        if p:
+            assert parent[i] < i  # parents precede children
+    leaves = {i for i in range(t) if i not in set(parent)}
+    covered = {int(r[np.count_nonzero(r >= 0) - 1]) for r in retrieve}
+    assert covered == leaves  # retrieve paths end at every leaf
+    for r in retrieve:
+        nodes = [int(x) for x in r if x >= 0]
+        assert nodes[0] == 0 and all(parent[b] == a for a, b in zip(nodes, nodes[1:]))
+    for i in range(t):
+        kids = [int(c) for c in children[i] if c >= 0]
+        assert sorted(kids) == sorted(j for j in range(t) if parent[j] == i)
+        assert [rank[c] for c in kids] == sorted(rank[c] for c in kids)
+
+
+@settings(max_examples=40, deadline=None)
+@given(path_trees())
+def test_jax_ancestor_mask_and_children_match_numpy(paths):
+    tree = StaticTree.from_paths(paths)
+    parent, _, _, mask, _, _ = tree.arrays()
+    pj = jnp.asarray(parent)[None]
+    np.testing.assert_array_equal(np.asarray(ancestor_mask(pj, tree.max_depth))[0], mask)
+    k = max(1, max(int((parent == i).sum()) for i in range(tree.size)))
+    kids = np.asarray(children_table(pj, k))[0]
+    for i in range(tree.size):
+        assert [c for c in kids[i] if c >= 0] == [j for j in range(tree.size) if parent[j] == i]
+
+
+def test_published_trees():
+    eagle = StaticTree.from_paths(MC_SIM_7B_63)
+    assert eagle.size == 26 and eagle.max_depth == 5
+    assert len(eagle.arrays()[5]) == 15  # 15 leaves
+    medusa = StaticTree.from_paths(MEDUSA_DEFAULT)
+    assert medusa.max_depth == 4
+
+
+def test_parse_tree_options_and_errors():
+    assert parse_tree("chain:3").paths == ((0,), (0, 0), (0, 0, 0))
+    assert parse_tree("dynamic:4,3,12") == {"top_k": 4, "depth": 3, "total_tokens": 12}
+    assert parse_tree("[[0],[1],[0,0]]").size == 4
+    with pytest.raises(SpecJaxError, match="parent path"):
+        StaticTree.from_paths([[0, 1]])
+    with pytest.raises(SpecJaxError, match="cannot read tree"):
+        parse_tree("bogus")
