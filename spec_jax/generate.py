@@ -77,6 +77,8 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128,
     p_len = max(len(x) for x in ids)
     p_pad = _bucket(p_len, 64)
     drafter, dparams = resolve_drafter(target, draft, tree)
+    if hasattr(drafter, "attn_impl"):
+        drafter = dataclasses.replace(drafter, attn_impl=attn_impl)
     n_slots = _bucket(p_pad + max_new_tokens + 2 * drafter.tree_size + drafter.max_depth + 1, 128)
     if p_len + max_new_tokens > target.cfg.max_position_embeddings:
         raise SpecJaxError(f"prompt ({p_len}) + max_new_tokens ({max_new_tokens}) exceeds the model's "

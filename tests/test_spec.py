@@ -92,3 +92,13 @@ def test_heads_for_another_target_are_refused(tiny_target, heads):
     other = spec_jax.random_target(tiny_config(), seed=1)
     with pytest.raises(SpecJaxError, match="trained for another target"):
         spec_jax.generate(other, [1], 4, draft=heads["eagle"])
+
+
+@pytest.mark.parametrize("method", ["eagle", "plain"])
+def test_greedy_with_pallas_interpret_attention_equals_plain(tiny_target, heads, method):
+    draft = heads["eagle"] if method == "eagle" else None
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    plain = spec_jax.generate(tiny_target, prompt, 10, stop_at_eos=False)
+    r = spec_jax.generate(tiny_target, prompt, 10, draft=draft, tree="dynamic:2,2,4",
+                          attn_impl="pallas_interpret", stop_at_eos=False)
+    assert r.token_ids == plain.token_ids
