@@ -1,0 +1,90 @@
+"""Plain decoding speed on SmolLM2-135M-Instruct: spec_jax vs transformers vs the weights-read bound.
+
+Prints, from one run on this machine: spec_jax plain greedy tokens/s (float32, batch 1, 256 new
+tokens, compile excluded), transformers' greedy `generate` tokens/s, their ratio, and the
+weights-read bound (parameter bytes / read bandwidth measured in the same run). A benchmark, not a
+test: it asserts nothing.
+
+    python scripts/bench_decode.py [--model checkpoints/smollm2-135m-instruct] [--tokens 256]
+"""
+import argparse
+import time
+
+import numpy as np
+
+import spec_jax  # noqa: F401  (XLA CPU defaults)
+import jax
+import jax.numpy as jnp
+
+PROMPT = "Write a long story about a lighthouse keeper and a storm."
+
+
+def read_bandwidth(nbytes=512 * 2**20, reps=10):
+    """GB/s of a pure streaming read (a sum over a large array) in XLA, best of reps."""
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    f = jax.jit(lambda a: jnp.sum(a))
+    f(x).block_until_ready()
+    best = 1e9
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def copy_bandwidth(nbytes=512 * 2**20, reps=10):
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    best = 1e9
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    a = ap.parse_args()
+
+    target = spec_jax.load_target(a.model)
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(target.params))
+    spec_jax.generate(target, PROMPT, a.tokens, stop_at_eos=False)  # compile
+    ours = []
+    for _ in range(a.repeats):
+        r = spec_jax.generate(target, PROMPT, a.tokens, stop_at_eos=False)
+        ours.append(r.stats["tokens_per_second"])
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(2)
+    hf = AutoModelForCausalLM.from_pretrained(f"{a.model}/hf", dtype=torch.float32).eval()
+    ids = torch.tensor([target.encode(PROMPT)])
+    kw = dict(max_new_tokens=a.tokens, min_new_tokens=a.tokens, do_sample=False, pad_token_id=2)
+    with torch.no_grad():
+        hf.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=2)  # warm-up
+        theirs = []
+        for _ in range(a.repeats):
+            t0 = time.perf_counter()
+            out = hf.generate(ids, **kw)
+            theirs.append((out.shape[1] - ids.shape[1]) / (time.perf_counter() - t0))
+
+    read_bw, copy_bw = read_bandwidth(), copy_bandwidth()
+    bound = read_bw * 1e9 / param_bytes
+    best_ours, best_theirs = max(ours), max(theirs)
+    print(f"machine: {jax.device_count()} {jax.default_backend()} device(s), jax {jax.__version__}")
+    print(f"parameters: {param_bytes / 1e6:.1f} MB float32")
+    print(f"spec_jax plain greedy:      {best_ours:6.1f} tok/s   (runs: {', '.join(f'{x:.1f}' for x in ours)})")
+    print(f"transformers greedy:        {best_theirs:6.1f} tok/s   (runs: {', '.join(f'{x:.1f}' for x in theirs)})")
+    print(f"ratio spec_jax/transformers: {best_ours / best_theirs:5.2f}x")
+    print(f"read bandwidth {read_bw:.1f} GB/s (copy {copy_bw:.1f} GB/s) -> weights-read bound "
+          f"{bound:.1f} tok/s; spec_jax reaches {best_ours / bound:.0%} of it")
+
+
+if __name__ == "__main__":
+    main()

