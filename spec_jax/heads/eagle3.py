@@ -24,10 +24,12 @@ def init_params(cfg, key, scale=0.02, draft_vocab: int | None = None, d2t=None):
     layer.update(input_norm=jnp.ones((h,), dt), hidden_norm=jnp.ones((h,), dt))
     if d2t is None:
         d2t = jnp.arange(vd, dtype=jnp.int32)
+    d2t = jnp.asarray(d2t, jnp.int32)
+    t2d = jnp.full((cfg.vocab_size,), -1, jnp.int32).at[d2t].set(jnp.arange(vd, dtype=jnp.int32))
     return {"fc_w": (scale * jax.random.normal(ks[0], (3 * h, h))).astype(dt),
             "layer": layer, "norm": jnp.ones((h,), dt),
             "lm_head": (scale * jax.random.normal(ks[2], (h, vd))).astype(dt),
-            "d2t": jnp.asarray(d2t, jnp.int32)}
+            "d2t": d2t, "t2d": t2d}
 
 
 @dataclasses.dataclass(frozen=True)

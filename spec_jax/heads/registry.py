@@ -57,6 +57,11 @@ class DraftHeads:
                 kw["tree"] = t
             elif isinstance(t, dict):
                 raise SpecJaxError("Medusa uses a static tree: pass a list of paths or 'medusa'")
+            else:  # the default tree, cut to the number of heads
+                from spec_jax.tree import MEDUSA_DEFAULT
+
+                kw["tree"] = StaticTree.from_paths(
+                    [p for p in MEDUSA_DEFAULT if len(p) <= hp["num_heads"]])
             return MedusaDrafter(**kw)
         dyn = {k: hp[k] for k in ("top_k", "depth", "total_tokens") if k in hp}
         if self.method == "mtp":

@@ -1,0 +1,218 @@
+"""Train draft heads with optax on self-distillation data; checkpoint and resume with Orbax.
+
+Only head parameters are trained: the target (its embedding and LM head included) stays frozen.
+The target's hidden states are computed once for the whole data set and cached in memory (see
+`feature_cache`): on this CPU that costs one target pass per sequence, where computing them inside
+every training step would cost one per step and epoch.
+
+Data order is a pure function of (seed, step), so a run resumed from a checkpoint sees exactly the
+batches an uninterrupted run would, and ends with the same parameters.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from spec_jax.errors import SpecJaxError
+from spec_jax.heads.registry import DraftHeads, init_draft, save_draft
+from spec_jax.train import losses
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    method: str
+    steps: int = 1000
+    batch_size: int = 8
+    seq_len: int = 256
+    lr: float = 1e-3
+    warmup: int = 50
+    weight_decay: float = 0.0
+    clip: float = 0.5
+    seed: int = 0
+    ttt_steps: int = 3  # unrolled draft steps (EAGLE-3, MTP)
+    noise: float = 0.1  # uniform feature noise (EAGLE-1/2)
+    decay: float = 0.8
+    save_every: int = 200
+    keep: int = 2
+    hparams: tuple = ()  # extra head hyper-parameters as (key, value) pairs
+
+
+NON_TRAINABLE = ("d2t", "t2d")
+
+
+def split_params(params):
+    train = {k: v for k, v in params.items() if k not in NON_TRAINABLE}
+    frozen = {k: v for k, v in params.items() if k in NON_TRAINABLE}
+    return train, frozen
+
+
+def feature_cache(target, seqs, plens, seq_len, aux_layers=(), batch=8):
+    """Run the frozen target once over every sequence (truncated to seq_len).
+
+    Returns tokens [N, L], mask [N, L] (1 on response tokens), feats [N, L, H], aux or None."""
+    from spec_jax.cache import cache_for
+    from spec_jax.models.llama import causal_mask, forward
+
+    n = len(seqs)
+    toks = np.zeros((n, seq_len), np.int32)
+    mask = np.zeros((n, seq_len), np.float32)
+    for i, (s, p) in enumerate(zip(seqs, plens)):
+        s = s[:seq_len]
+        toks[i, :len(s)] = s
+        mask[i, max(p - 1, 0):len(s)] = 1.0
+    cfg = target.cfg
+    fwd = jax.jit(lambda params, t: forward(params, cfg, t, jnp.broadcast_to(
+        jnp.arange(seq_len, dtype=jnp.int32), t.shape), cache_for(cfg, t.shape[0], 1),
+        causal_mask(t.shape[0], seq_len), aux_layers=aux_layers, return_logits=False))
+    feats = np.zeros((n, seq_len, cfg.hidden_size), np.float32)
+    aux = np.zeros((n, seq_len, cfg.hidden_size * len(aux_layers)), np.float32) if aux_layers else None
+    for i in range(0, n, batch):
+        chunk = toks[i:i + batch]
+        pad = batch - len(chunk)
+        out = fwd(target.params, jnp.asarray(np.pad(chunk, ((0, pad), (0, 0)))))
+        feats[i:i + len(chunk)] = np.asarray(out.hidden[:len(chunk)], np.float32)
+        if aux is not None:
+            aux[i:i + len(chunk)] = np.asarray(out.aux_hidden[:len(chunk)], np.float32)
+    return toks, mask, feats, aux
+
+
+def batch_indices(n: int, batch: int, step: int, seed: int) -> np.ndarray:
+    """Indices of the batch at `step`: epochs are seeded permutations (deterministic, resumable)."""
+    per_epoch = max(n // batch, 1)
+    epoch, k = divmod(step, per_epoch)
+    perm = np.random.default_rng([seed, epoch]).permutation(n)
+    return perm[k * batch:(k + 1) * batch]
+
+
+def draft_vocab(toks, mask, size, vocab):
+    """The `size` most frequent target tokens of the training responses (EAGLE-3's draft vocab)."""
+    counts = np.bincount(toks[mask > 0].ravel(), minlength=vocab)
+    order = np.argsort(-counts, kind="stable")[:size]
+    return np.sort(order).astype(np.int32)
+
+
+def make_loss(heads: DraftHeads, tcfg, cfg: TrainConfig):
+    method = heads.method
+    if method == "medusa":
+        n = heads.hparams["num_heads"]
+        return lambda dp, tp, batch, key: losses.medusa_loss(dp, tp, tcfg, batch, n, cfg.decay)
+    drafter = heads.drafter()
+    if method == "eagle":
+        kw = dict(steps=1, noise=cfg.noise, feat_loss_weight=1.0, ce_weight=0.1, decay=cfg.decay)
+    else:  # eagle3 and mtp: unrolled, cross-entropy only
+        steps = cfg.ttt_steps if method == "eagle3" else heads.hparams.get("depth", 3)
+        kw = dict(steps=steps, noise=0.0, feat_loss_weight=0.0, ce_weight=1.0,
+                  decay=cfg.decay if method == "eagle3" else 1.0)
+    return lambda dp, tp, batch, key: losses.feature_unrolled(drafter, dp, tp, tcfg, batch, key=key,
+                                                              **kw)
+
+
+def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, resume=False,
+          progress=True, stop_after: int | None = None, log=print):
+    """Train heads of cfg.method on `data` (from `feature_cache`). Returns (DraftHeads, history)."""
+    import orbax.checkpoint as ocp
+
+    extra = dict(cfg.hparams)
+    if cfg.method == "eagle3":
+        vocab = draft_vocab(data["tokens"], data["mask"], extra.get("draft_vocab", 8192),
+                            target.cfg.vocab_size)
+        extra.update(draft_vocab=len(vocab), d2t=vocab)
+    heads = init_draft(target, cfg.method, seed=cfg.seed, **extra)
+    if "d2t" in heads.hparams:
+        heads.hparams.pop("d2t")
+    trainable, frozen = split_params(heads.params)
+    sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1),
+                                               cfg.lr * 0.05)
+    opt = optax.chain(optax.clip_by_global_norm(cfg.clip),
+                      optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
+    opt_state = opt.init(trainable)
+    loss_fn = make_loss(heads, target.cfg, cfg)
+
+    @jax.jit
+    def step_fn(trainable, opt_state, batch, key):
+        def f(tr):
+            return loss_fn({**tr, **frozen}, target.params, batch, key)
+
+        (loss, metrics), grads = jax.value_and_grad(f, has_aux=True)(trainable)
+        updates, opt_state = opt.update(grads, opt_state, trainable)
+        return optax.apply_updates(trainable, updates), opt_state, metrics
+
+    start = 0
+    mngr = None
+    if ckpt_dir is not None:
+        mngr = ocp.CheckpointManager(Path(ckpt_dir).absolute(), options=ocp.CheckpointManagerOptions(
+            max_to_keep=cfg.keep, save_interval_steps=1))
+        if resume and mngr.latest_step() is not None:
+            start = mngr.latest_step()
+            restored = mngr.restore(start, args=ocp.args.StandardRestore(
+                {"params": trainable, "opt_state": opt_state}))
+            trainable, opt_state = restored["params"], restored["opt_state"]
+            log(f"resumed from step {start}")
+        elif not resume and mngr.latest_step() is not None:
+            raise SpecJaxError(f"{ckpt_dir} already holds checkpoints: pass --resume to continue, "
+                               "or choose another --out")
+    n = len(data["tokens"])
+    history = []
+    from tqdm import tqdm
+
+    bar = tqdm(total=cfg.steps, initial=start, disable=not progress, desc=f"train {cfg.method}")
+    t0, toks_seen = time.time(), 0
+    end = cfg.steps if stop_after is None else min(cfg.steps, stop_after)
+    for step in range(start, end):
+        idx = batch_indices(n, cfg.batch_size, step, cfg.seed)
+        batch = {k: jnp.asarray(v[idx]) for k, v in data.items() if v is not None}
+        key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), step)
+        trainable, opt_state, metrics = step_fn(trainable, opt_state, batch, key)
+        toks_seen += int(data["mask"][idx].sum())
+        if step % 10 == 0 or step == end - 1:
+            m = {k: float(v) for k, v in metrics.items()}
+            history.append({"step": step + 1, **m})
+            bar.set_postfix(loss=f"{m['loss']:.3f}",
+                            acc=",".join(f"{m[k]:.2f}" for k in sorted(m) if k.startswith("acc")),
+                            tok_s=f"{toks_seen / (time.time() - t0):.0f}")
+        bar.update(1)
+        if mngr is not None and ((step + 1) % cfg.save_every == 0 or step + 1 == end):
+            mngr.save(step + 1, args=ocp.args.StandardSave({"params": trainable, "opt_state": opt_state}))
+    bar.close()
+    if mngr is not None:
+        mngr.wait_until_finished()
+        mngr.close()
+    heads.params = {**trainable, **frozen}
+    heads.hparams["training"] = {"steps": cfg.steps, "batch_size": cfg.batch_size,
+                                 "seq_len": cfg.seq_len, "lr": cfg.lr, "seed": cfg.seed,
+                                 "wall_seconds": round(time.time() - t0, 1)}
+    if out_dir is not None and end == cfg.steps:
+        save_draft(heads, out_dir, force=True)
+    return heads, history
+
+
+def train_cli(a):
+    """`spec-jax train`: distilled data -> feature cache -> training -> heads in --out."""
+    import spec_jax
+    from spec_jax.train.distill import load_distill
+
+    target = spec_jax.load_target(a.model)
+    out = Path(a.out)
+    if out.exists() and (out / "spec_jax.json").exists() and not (a.resume or a.force):
+        raise SpecJaxError(f"{out} already holds heads: pass --force to retrain or --resume")
+    seqs, plens, manifest = load_distill(a.data)
+    if manifest.get("target_fingerprint") not in (None, target.fingerprint()):
+        raise SpecJaxError(f"{a.data} was distilled from another target: distill data for this one")
+    aux_layers = target.cfg.eagle3_layers if a.method == "eagle3" else ()
+    t0 = time.time()
+    toks, mask, feats, aux = feature_cache(target, seqs, plens, a.seq_len, aux_layers)
+    print(f"feature cache: {len(toks)} sequences x {a.seq_len} tokens in {time.time() - t0:.1f}s")
+    cfg = TrainConfig(method=a.method, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len,
+                      lr=a.lr, seed=a.seed)
+    heads, hist = train(target, {"tokens": toks, "mask": mask, "feats": feats, "aux": aux}, cfg,
+                        out_dir=out, ckpt_dir=out.parent / f".{out.name}.ckpt", resume=a.resume)
+    (out / "train_log.json").write_text(json.dumps({"manifest": manifest, "history": hist}, indent=1))
+    print(f"wrote {out}")

@@ -1,0 +1,132 @@
+"""Training forward passes and losses for each draft method (teacher-forced, batched).
+
+A batch holds tokens [B, L], the frozen target's final hidden states `feats` [B, L, H] (pre-norm),
+its fused hidden states `aux` [B, L, 3H] (EAGLE-3 only) and `mask` [B, L] (1 on response tokens).
+Pair j of a feature drafter is (feature at j, token j+1) at position j, predicting the feature at
+j+1 and the token at j+2, exactly as at inference.
+
+Unrolled draft steps ("training-time test", EAGLE-3; also used for MTP chains): step i feeds back
+the head's own output of step i-1 and the true token j+i; its query attends to the teacher-forced
+causal context (step-1 keys at positions <= j) plus only the same-position keys of earlier
+unrolled steps, which is what a chain or tree node sees at inference.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from spec_jax.models.llama import lm_head
+
+
+def _shift(x, i, fill=0):
+    """x[:, j + i] at position j (padded with `fill` past the end)."""
+    if i == 0:
+        return x
+    pad = jnp.full((x.shape[0], i) + x.shape[2:], fill, x.dtype)
+    return jnp.concatenate([x[:, i:], pad], axis=1)
+
+
+def _ce(logits, labels, mask):
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    acc = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
+    den = jnp.maximum(mask.sum(), 1.0)
+    return (ce * mask).sum() / den, (acc * mask).sum() / den
+
+
+def feature_unrolled(drafter, dparams, tparams, tcfg, batch, steps: int, key, noise: float,
+                     feat_loss_weight: float, ce_weight: float, decay: float):
+    """Loss of a feature drafter unrolled for `steps` draft steps. Returns (loss, metrics)."""
+    toks, feats, mask = batch["tokens"], batch["feats"], batch["mask"].astype(jnp.float32)
+    b, l = toks.shape
+    kvh, hd = tcfg.num_kv_heads, tcfg.head_dim
+    pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
+    empty_k = jnp.zeros((b, 1, kvh, hd), jnp.dtype(tcfg.dtype))
+    no_valid, zero_len = jnp.zeros((b, 1), bool), jnp.zeros((b,), jnp.int32)
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((l, l), bool)), (b, l, l))
+    eye = jnp.broadcast_to(jnp.eye(l, dtype=bool), (b, l, l))
+    t_feat = drafter.target_feature(dparams, tcfg, feats, batch.get("aux"))
+    if noise > 0:
+        t_feat = t_feat + noise * jax.random.uniform(key, t_feat.shape, minval=-1.0, maxval=1.0)
+
+    def cell(module, feat, tokens, ex_k, ex_v, ex_mask, own):
+        return drafter.cell(dparams, tparams, tcfg, module, feat, tokens, pos, empty_k, empty_k,
+                            no_valid, zero_len, ex_k, ex_v, ex_mask, own)
+
+    nomask = jnp.zeros((b, l, 0), bool)
+    nokv = jnp.zeros((b, 0, kvh, hd), jnp.dtype(tcfg.dtype))
+    # teacher-forced context per module (module m's keys over the real pairs)
+    ctx = {}
+    out1 = None
+    for m in sorted({i % drafter.num_modules for i in range(steps)}):
+        out, k, v = cell(m, t_feat, _shift(toks, 1), nokv, nokv, nomask, causal)
+        ctx[m] = (k, v)
+        if m == 0:
+            out1 = out
+    total, metrics = 0.0, {}
+    feat, diag_k, diag_v = out1, [], []
+    _, k1, v1 = None, *ctx[0]
+    for i in range(steps):
+        m = i % drafter.num_modules
+        if i > 0:
+            ck, cv = ctx[m]
+            ex_k = jnp.concatenate([ck] + diag_k, axis=1)
+            ex_v = jnp.concatenate([cv] + diag_v, axis=1)
+            ex_mask = jnp.concatenate([causal] + [eye] * len(diag_k), axis=2)
+            feat, k, v = cell(m, feat, _shift(toks, i + 1), ex_k, ex_v, ex_mask, eye)
+        else:
+            k, v = ctx[0]
+        diag_k.append(k)
+        diag_v.append(v)
+        # step i at position j predicts the token j + i + 2, where the data has one
+        labels = _shift(toks, i + 2)
+        valid = _shift(mask, i + 2) * (jnp.arange(l)[None] < l - i - 2)
+        logits = drafter_logits(drafter, dparams, tparams, tcfg, feat)
+        labels, valid = map_labels(drafter, dparams, labels, valid)
+        ce, acc = _ce(logits, labels, valid)
+        w = decay ** i
+        total = total + w * ce_weight * ce
+        metrics[f"acc{i + 1}"] = acc
+        if i == 0 and feat_loss_weight > 0:
+            target = jax.lax.stop_gradient(_shift(feats, 1))
+            fl = optax.huber_loss(feat, target).mean(-1)
+            fmask = valid
+            total = total + feat_loss_weight * (fl * fmask).sum() / jnp.maximum(fmask.sum(), 1.0)
+    metrics["loss"] = total
+    return total, metrics
+
+
+def drafter_logits(drafter, dparams, tparams, tcfg, feat):
+    if drafter.method == "eagle3":
+        from spec_jax.models.llama import rms_norm
+
+        h = rms_norm(feat, dparams["norm"], tcfg.rms_norm_eps)
+        return jnp.dot(h, dparams["lm_head"], preferred_element_type=jnp.float32)
+    return lm_head(tparams, tcfg, feat)
+
+
+def map_labels(drafter, dparams, labels, valid):
+    """EAGLE-3 predicts over its draft vocabulary: map target ids, masking tokens outside it."""
+    if drafter.method != "eagle3":
+        return labels, valid
+    t2d = dparams["t2d"]
+    d = t2d[labels]
+    return jnp.maximum(d, 0), valid * (d >= 0)
+
+
+def medusa_loss(dparams, tparams, tcfg, batch, num_heads: int, decay: float):
+    """Cross-entropy per Medusa head (head k at position j predicts the token j + k + 2)."""
+    from spec_jax.heads.medusa import medusa_logits
+
+    toks, feats, mask = batch["tokens"], batch["feats"], batch["mask"].astype(jnp.float32)
+    b, l, h = feats.shape
+    logits = medusa_logits(dparams, tparams, tcfg, feats.reshape(b * l, h)).reshape(b, l, num_heads, -1)
+    total, metrics = 0.0, {}
+    for k in range(num_heads):
+        labels = _shift(toks, k + 2)
+        valid = _shift(mask, k + 2) * (jnp.arange(l)[None] < l - k - 2)
+        ce, acc = _ce(logits[:, :, k], labels, valid)
+        total = total + decay ** k * ce
+        metrics[f"acc{k + 1}"] = acc
+    metrics["loss"] = total
+    return total, metrics
