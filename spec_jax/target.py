@@ -79,8 +79,11 @@ class Target:
         return h.hexdigest()[:16]
 
 
-def load_target(path: str | Path, dtype: str | None = None) -> Target:
-    """Load a spec_jax target checkpoint (written by `spec-jax convert` or `spec-jax fetch`)."""
+def load_target(path: str | Path, dtype: str | None = None, layers: str = "auto") -> Target:
+    """Load a spec_jax target checkpoint (written by `spec-jax convert` or `spec-jax fetch`).
+
+    layers: "scan" (stacked, compile time independent of depth), "unrolled" (per-layer buffers,
+    faster decoding on CPU) or "auto" (unrolled on CPU, scan elsewhere)."""
     from spec_jax.io import load_params
 
     path = Path(path)
@@ -96,6 +99,12 @@ def load_target(path: str | Path, dtype: str | None = None) -> Target:
     if dtype is not None and dtype != cfg.dtype:
         params = jax.tree.map(lambda a: a.astype(jnp.dtype(dtype)), params)
         cfg = dataclasses.replace(cfg, dtype=dtype)
+    if layers not in ("auto", "scan", "unrolled"):
+        raise SpecJaxError(f"layers must be auto, scan or unrolled, not {layers!r}")
+    if layers == "unrolled" or (layers == "auto" and jax.default_backend() == "cpu"):
+        from spec_jax.models.llama import unstack_layers
+
+        params = unstack_layers(params)
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer

@@ -80,3 +80,21 @@ def test_incremental_decode_matches_full_forward():
         cache = commit(cache, step.k_new, step.v_new, jnp.array([[t]]), jnp.array([[0]]),
                        jnp.array([1]))
     assert int(cache.length[0]) == 12
+
+
+def test_unrolled_layers_equal_scanned_layers():
+    from spec_jax.models.llama import stack_layers, unstack_layers
+
+    model = hf_model("qwen2", False)
+    cfg, params = ours(model)
+    toks = jnp.asarray(np.random.RandomState(3).randint(0, 101, (1, 9)))
+    args = (toks, jnp.arange(9)[None], cache_for(cfg, 1, 8), causal_mask(1, 9))
+    a = forward(params, cfg, *args, aux_layers=(0, 2))
+    unrolled = unstack_layers(params)
+    assert isinstance(unrolled["layers"], list) and len(unrolled["layers"]) == 3
+    b = forward(unrolled, cfg, *args, aux_layers=(0, 2))
+    np.testing.assert_allclose(np.asarray(a.logits), np.asarray(b.logits), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(a.aux_hidden), np.asarray(b.aux_hidden), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(a.k_new), np.asarray(b.k_new), atol=1e-5)
+    restacked = stack_layers(unrolled)
+    np.testing.assert_array_equal(np.asarray(restacked["layers"]["wq"]), np.asarray(params["layers"]["wq"]))

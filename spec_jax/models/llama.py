@@ -1,7 +1,7 @@
 """Llama-family decoder as pure functions over a parameter pytree (nanoGPT-style, one file).
 
 Parameters (L layers stacked on axis 0, so the layer loop is a `lax.scan` and compile time does not
-grow with depth):
+grow with depth; `unstack_layers` turns them into a list for unrolled execution, faster on CPU):
   embed [V, H]; final_norm [H]; lm_head [H, V] (absent when embeddings are tied);
   layers: attn_norm [L, H], wq [L, H, NH*D], wk/wv [L, H, KVH*D], wo [L, NH*D, H],
           (bq [L, NH*D], bk/bv [L, KVH*D] when attention_bias), mlp_norm [L, H],
@@ -141,22 +141,54 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache, block_m
     inv_freq = rope_inv_freq(cfg)
     scale = cfg.head_dim ** -0.5
 
-    def body(x, layer):
-        lp, kc, vc = layer
-
+    def run_layer(x, lp, kc, vc):
         def attend(q, k, v):
             return tree_attention(q, kc, vc, cache.valid, cache.length, k, v, block_mask,
                                   scale=scale, impl=attn_impl)
 
-        x_out, k, v = decoder_layer(lp, cfg, x, positions, inv_freq, attend)
-        return x_out, (k, v, x if aux_layers else None)
+        return decoder_layer(lp, cfg, x, positions, inv_freq, attend)
 
-    x, (k_new, v_new, xs_in) = jax.lax.scan(body, x, (params["layers"], cache.k, cache.v))
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):  # unrolled: per-layer buffers, no slicing (CPU default)
+        ks, vs, xs_in = [], [], []
+        for i, lp in enumerate(layers):
+            xs_in.append(x)
+            x, k, v = run_layer(x, lp, cache.k[i], cache.v[i])
+            ks.append(k)
+            vs.append(v)
+        k_new, v_new = jnp.stack(ks), jnp.stack(vs)
+    else:  # stacked and scanned: compile time independent of depth
+        def body(x, layer):
+            lp, kc, vc = layer
+            x_out, k, v = run_layer(x, lp, kc, vc)
+            return x_out, (k, v, x if aux_layers else None)
+
+        x, (k_new, v_new, xs_in) = jax.lax.scan(body, x, (layers, cache.k, cache.v))
     aux = None
     if aux_layers:
         aux = jnp.concatenate([xs_in[i] for i in aux_layers], axis=-1)
     logits = lm_head(params, cfg, x) if return_logits else None
     return ForwardOut(logits=logits, hidden=x, aux_hidden=aux, k_new=k_new, v_new=v_new)
+
+
+def unstack_layers(params):
+    """Stacked layers [L, ...] -> a list of per-layer dicts (unrolled execution).
+
+    XLA:CPU copies each layer's weights out of a stacked array before its matmuls (a dynamic
+    slice in `scan`, a static slice when unrolled), doubling the memory traffic of decoding;
+    separate per-layer buffers avoid the copy (SmolLM2 plain decode measured ~1.5x faster)."""
+    layers = params["layers"]
+    if isinstance(layers, (list, tuple)):
+        return params
+    n = next(iter(layers.values())).shape[0]
+    return {**params, "layers": [{k: v[i] for k, v in layers.items()} for i in range(n)]}
+
+
+def stack_layers(params):
+    layers = params["layers"]
+    if not isinstance(layers, (list, tuple)):
+        return params
+    return {**params, "layers": jax.tree.map(lambda *a: jnp.stack(a), *layers)}
 
 
 def causal_mask(batch: int, t: int):

@@ -1,0 +1,318 @@
+"""Benchmark harness and hardware-aware tree sizing.
+
+`bench` runs plain decoding and every drafter on the same prompts in one process, interleaved
+prompt by prompt so that machine drift hits all methods alike; compile and warm-up are excluded
+(compile time is reported separately). It reports per method and prompt set/category: tau (mean
+accepted tokens per target call), tokens/s, speedup over plain decoding from the same run, and the
+share of time spent verifying (the target's tree forward, timed on its own at the same tree size)
+versus drafting and bookkeeping (the rest of each step).
+
+`calibrate_tree` chooses the dynamic tree (top_k, depth, total_tokens) that maximises measured
+tokens/s on calibration prompts for this backend, model and batch size, and caches the choice.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from spec_jax.errors import SpecJaxError
+
+
+@dataclasses.dataclass
+class Run:
+    method: str
+    prompt_set: str
+    category: str
+    new_tokens: int
+    steps: int
+    wall: float
+    compile_s: float
+    tree_tokens: int
+
+
+def summarize(runs: list[Run], verify_time: Callable[[int], float] | None = None,
+              baseline: str = "plain") -> list[dict[str, Any]]:
+    """Aggregate runs per (method, prompt set) and per (method, category).
+
+    tau = sum(new_tokens - 1) / sum(steps) (the prefill's token is not a speculative step);
+    tokens/s = sum(new_tokens) / sum(wall); speedup = tokens/s over the baseline's on the same
+    group; verify share = steps * verify_time(tree_tokens) / wall."""
+    groups: dict[tuple, list[Run]] = {}
+    for r in runs:
+        groups.setdefault((r.method, r.prompt_set, "all"), []).append(r)
+        if r.category and r.category != r.prompt_set:
+            groups.setdefault((r.method, r.prompt_set, r.category), []).append(r)
+    rows = []
+    for (method, pset, cat), rs in groups.items():
+        tok = sum(r.new_tokens for r in rs)
+        wall = sum(r.wall for r in rs)
+        steps = sum(r.steps for r in rs)
+        row = {"method": method, "prompt_set": pset, "category": cat, "prompts": len(rs),
+               "new_tokens": tok, "tau": (tok - len(rs)) / steps if steps else 0.0,
+               "tokens_per_second": tok / wall if wall else 0.0, "wall_seconds": wall,
+               "compile_seconds": sum(r.compile_s for r in rs), "tree_tokens": rs[0].tree_tokens}
+        if verify_time is not None and wall > 0:
+            v = sum(r.steps * verify_time(r.tree_tokens) for r in rs)
+            row["verify_share"] = min(v / wall, 1.0)
+            row["draft_and_bookkeeping_share"] = max(1.0 - v / wall, 0.0)
+        rows.append(row)
+    base = {(r["prompt_set"], r["category"]): r["tokens_per_second"] for r in rows
+            if r["method"] == baseline}
+    for r in rows:
+        b = base.get((r["prompt_set"], r["category"]))
+        r["speedup"] = r["tokens_per_second"] / b if b else None
+    return sorted(rows, key=lambda r: (r["prompt_set"], r["category"] != "all", r["category"],
+                                       r["method"]))
+
+
+def markdown(rows) -> str:
+    head = "| set | category | method | tree | τ | tok/s | speedup | verify share |\n|---|---|---|---|---|---|---|---|"
+    lines = [head]
+    for r in rows:
+        sp = f"{r['speedup']:.2f}×" if r.get("speedup") else "–"
+        vs = f"{r['verify_share']:.0%}" if "verify_share" in r else "–"
+        lines.append(f"| {r['prompt_set']} | {r['category']} | {r['method']} | {r['tree_tokens']} | "
+                     f"{r['tau']:.2f} | {r['tokens_per_second']:.1f} | {sp} | {vs} |")
+    return "\n".join(lines)
+
+
+def verify_latency(target, tree_sizes, batch=1, fill=256, repeats=5) -> dict[int, float]:
+    """Seconds of one target forward over T block tokens against a cache holding `fill` tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from spec_jax.cache import cache_for
+    from spec_jax.models.llama import causal_mask, forward
+
+    cfg = target.cfg
+    out = {}
+    for t in tree_sizes:
+        cache = cache_for(cfg, batch, fill + t + 128)
+        cache = cache.replace(length=jnp.full((batch,), fill, jnp.int32),
+                              valid=cache.valid.at[:, :fill].set(True))
+        toks = jnp.zeros((batch, t), jnp.int32)
+        pos = fill + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
+        f = jax.jit(lambda p, c, tk, ps: forward(p, cfg, tk, ps, c, causal_mask(batch, t)).logits)
+        f(target.params, cache, toks, pos).block_until_ready()
+        ts = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            f(target.params, cache, toks, pos).block_until_ready()
+            ts.append(time.perf_counter() - t0)
+        out[t] = float(np.median(ts))
+    return out
+
+
+def run_bench(target, drafts: dict[str, tuple[Any, Any]], prompt_sets: dict[str, list],
+              max_new_tokens: int, progress=True) -> list[Run]:
+    """drafts: name -> (draft, tree); prompt_sets: name -> [Prompt]. Interleaved by prompt."""
+    import spec_jax
+    from tqdm import tqdm
+
+    runs = []
+    items = [(s, p) for s, ps in prompt_sets.items() for p in ps]
+    for pset, p in tqdm(items, disable=not progress, desc="bench"):
+        for name, (draft, tree) in drafts.items():
+            r = spec_jax.generate(target, p.text, max_new_tokens, draft=draft, tree=tree)
+            if r.stats["compile_seconds"] > 0:  # first use of this shape: run again, compiled
+                c = r.stats["compile_seconds"]
+                r = spec_jax.generate(target, p.text, max_new_tokens, draft=draft, tree=tree)
+                r.stats["compile_seconds"] = c
+            s = r.stats
+            runs.append(Run(method=name, prompt_set=pset, category=p.category,
+                            new_tokens=s["new_tokens"], steps=sum(s["acceptance_histogram"]),
+                            wall=s["wall_seconds"], compile_s=s["compile_seconds"],
+                            tree_tokens=s["tree_tokens"]))
+    return runs
+
+
+def transformers_peer(target, prompts, max_new_tokens, mode="greedy") -> list[Run]:
+    """transformers' greedy generate or prompt-lookup decoding on the same weights (if installed)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if target.path is None or not (Path(target.path) / "hf").is_dir():
+        raise SpecJaxError("the transformers peer needs the checkpoint's hf/ folder")
+    model = AutoModelForCausalLM.from_pretrained(str(Path(target.path) / "hf"),
+                                                 dtype=torch.float32).eval()
+    kw = {"prompt_lookup_num_tokens": 10} if mode == "prompt_lookup" else {}
+    runs = []
+    with torch.no_grad():
+        for pset, p in prompts:
+            ids = torch.tensor([target.encode(p.text)])
+            model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=2, **kw)
+            t0 = time.perf_counter()
+            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2,
+                                 **kw)
+            wall = time.perf_counter() - t0
+            n = out.shape[1] - ids.shape[1]
+            runs.append(Run(method=f"transformers-{mode}", prompt_set=pset, category=p.category,
+                            new_tokens=n, steps=max(n - 1, 1), wall=wall, compile_s=0.0,
+                            tree_tokens=1))
+    return runs
+
+
+def plot(rows, runs_hist: dict[str, list[int]], out_dir: Path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cats = sorted({(r["prompt_set"], r["category"]) for r in rows})
+    methods = sorted({r["method"] for r in rows})
+    fig, ax = plt.subplots(figsize=(max(6, len(cats) * 1.2), 4))
+    w = 0.8 / max(len(methods), 1)
+    for i, m in enumerate(methods):
+        ys = [next((r["speedup"] or 0 for r in rows if r["method"] == m and (r["prompt_set"], r["category"]) == c), 0)
+              for c in cats]
+        ax.bar(np.arange(len(cats)) + i * w, ys, w, label=m)
+    ax.set_xticks(np.arange(len(cats)) + 0.4 - w / 2, [f"{s}\n{c}" for s, c in cats], fontsize=7)
+    ax.axhline(1.0, color="k", lw=0.5)
+    ax.set_ylabel("speedup over plain spec_jax")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "speedup.png", dpi=120)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, h in runs_hist.items():
+        h = np.asarray(h, float)
+        if h.sum():
+            ax.plot(np.arange(len(h)), h / h.sum(), marker="o", label=m)
+    ax.set_xlabel("draft tokens accepted per target call")
+    ax.set_ylabel("fraction of steps")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out_dir / "tau_hist.png", dpi=120)
+    plt.close(fig)
+
+
+CANDIDATE_TREES = [(1, 3, 4), (2, 3, 6), (4, 3, 8), (4, 4, 12), (6, 5, 16), (8, 5, 24), (8, 6, 32),
+                   (10, 6, 60)]
+
+
+def tree_cache_file() -> Path:
+    from spec_jax.convert.fetch import cache_dir
+
+    return cache_dir() / "trees.json"
+
+
+def calibrate_tree(target, heads, prompts, max_new_tokens=64, batch=1, candidates=CANDIDATE_TREES,
+                   use_cache=True, progress=True):
+    """Measure tokens/s of each candidate dynamic tree on calibration prompts; return the best.
+
+    Returns (best (top_k, depth, total), curve: list of dicts). Cached per device kind, model
+    fingerprint, head method and batch size."""
+    import jax
+
+    import spec_jax
+
+    key = f"{jax.devices()[0].device_kind}|{target.fingerprint()}|{heads.method}|{batch}"
+    cache_f = tree_cache_file()
+    cached = json.loads(cache_f.read_text()) if cache_f.is_file() else {}
+    if use_cache and key in cached:
+        c = cached[key]
+        return tuple(c["best"]), c["curve"]
+    curve = []
+    for k, d, n in candidates:
+        tree = {"top_k": k, "depth": d, "total_tokens": n}
+        spec_jax.generate(target, prompts[0].text, 8, draft=heads, tree=tree)  # compile
+        tok, wall, steps = 0, 0.0, 0
+        for p in prompts:
+            r = spec_jax.generate(target, p.text, max_new_tokens, draft=heads, tree=tree)
+            tok += r.stats["new_tokens"]
+            wall += r.stats["wall_seconds"]
+            steps += sum(r.stats["acceptance_histogram"])
+        row = {"top_k": k, "depth": d, "total_tokens": n, "tokens_per_second": tok / wall,
+               "tau": (tok - len(prompts)) / max(steps, 1)}
+        curve.append(row)
+        if progress:
+            print(f"  tree k={k} d={d} n={n}: tau {row['tau']:.2f}, {row['tokens_per_second']:.1f} tok/s",
+                  flush=True)
+    best = max(curve, key=lambda r: r["tokens_per_second"])
+    best_t = (best["top_k"], best["depth"], best["total_tokens"])
+    cached[key] = {"best": best_t, "curve": curve}
+    cache_f.parent.mkdir(parents=True, exist_ok=True)
+    cache_f.write_text(json.dumps(cached, indent=1))
+    return best_t, curve
+
+
+def bench_cli(a):
+    """`spec-jax bench`: one interleaved run of plain decoding, drafters and transformers peers."""
+    import jax
+
+    import spec_jax
+    from spec_jax.data import read_prompts
+
+    target = spec_jax.load_target(a.model)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    sets = {}
+    for path in a.prompts:
+        ps = read_prompts(path)
+        sets[Path(path).parent.name if Path(path).is_file() else Path(path).name] = ps[:a.limit]
+    drafts: dict[str, tuple] = {"plain": (None, None)}
+    for spec in a.drafts:
+        name, _, tree = spec.partition("@")
+        if name == "ngram":
+            drafts[spec] = ("ngram", tree or None)
+            continue
+        heads = spec_jax.load_draft(name)
+        label = f"{heads.method}" + (f"@{tree}" if tree else "")
+        if tree == "auto" and heads.method != "medusa":
+            calib = [p for ps in sets.values() for p in ps][:2]
+            best, curve = calibrate_tree(target, heads, calib)
+            (out / f"calibration_{heads.method}.json").write_text(json.dumps(curve, indent=1))
+            tree = "dynamic:%d,%d,%d" % best
+            label = f"{heads.method}@auto({tree})"
+        drafts[label] = (heads, tree or None)
+    if a.calibrate:
+        for label, (heads, _) in list(drafts.items()):
+            if hasattr(heads, "method") and heads.method != "medusa":
+                calib = [p for ps in sets.values() for p in ps][:2]
+                best, curve = calibrate_tree(target, heads, calib, use_cache=False)
+                print(f"{label}: best tree {best}")
+                _plot_curve(curve, out / f"calibration_{heads.method}.png")
+    runs = run_bench(target, drafts, sets, a.max_new_tokens)
+    items = [(s, p) for s, ps in sets.items() for p in ps]
+    for mode in ("greedy", "prompt_lookup"):
+        try:
+            runs += transformers_peer(target, items, a.max_new_tokens, mode)
+        except Exception as e:  # a missing peer is reported, never fatal
+            print(f"(transformers {mode} peer skipped: {e})")
+    sizes = sorted({r.tree_tokens for r in runs})
+    vt = verify_latency(target, sizes)
+    rows = summarize(runs, verify_time=lambda t: vt.get(t, 0.0))
+    table = markdown(rows)
+    print(f"\nmachine: {jax.default_backend()} ({jax.devices()[0].device_kind}), "
+          f"{a.max_new_tokens} new tokens, greedy, batch 1\n")
+    print(table)
+    (out / "results.json").write_text(json.dumps({"rows": rows, "verify_latency": vt,
+                                                  "runs": [dataclasses.asdict(r) for r in runs]},
+                                                 indent=1))
+    (out / "results.md").write_text(table + "\n")
+    plot(rows, {}, out)
+
+
+def _plot_curve(curve, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.5))
+    xs = [c["total_tokens"] for c in curve]
+    ax.plot(xs, [c["tokens_per_second"] for c in curve], marker="o")
+    for c in curve:
+        ax.annotate(f"k{c['top_k']} d{c['depth']}", (c["total_tokens"], c["tokens_per_second"]),
+                    fontsize=6)
+    ax.set_xlabel("tree tokens")
+    ax.set_ylabel("tokens/s")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
