@@ -1,0 +1,80 @@
+"""Greedy speculative decoding over the eval prompt sets: equality with plain decoding and tau.
+
+For every prompt of ../shared/data/eval (MT-bench and Vicuna-bench first turns, HumanEval), runs
+plain greedy decoding and speculative decoding (batched, greedy), then prints per drafter and set:
+prompts compared, prompts whose tokens differ from plain decoding, and tau (mean accepted tokens
+per target call). With --rotate, each prompt is checked with one drafter in turn (all drafters
+over all prompts would take hours on 2 CPU cores).
+
+    python scripts/eval_spec.py --drafts ngram random:eagle random:eagle3 random:medusa random:mtp --rotate
+    python scripts/eval_spec.py --drafts checkpoints/smollm2-135m-instruct-eagle --limit 20
+"""
+import argparse
+import json
+import time
+from collections import defaultdict
+
+import numpy as np
+
+import spec_jax
+from spec_jax.data import read_prompts
+
+SETS = {"mt_bench": "../shared/data/eval/mt_bench/question.jsonl",
+        "vicuna_bench": "../shared/data/eval/vicuna_bench/question.jsonl",
+        "humaneval": "../shared/data/eval/humaneval/HumanEval.jsonl.gz"}
+
+
+def load_draft(target, spec):
+    name, _, tree = spec.partition("@")
+    if name == "ngram":
+        return "ngram", tree or None
+    if name.startswith("random:"):
+        return spec_jax.init_draft(target, name.split(":", 1)[1], seed=0), tree or None
+    return spec_jax.load_draft(name), tree or None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
+    ap.add_argument("--drafts", nargs="+", required=True)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--limit", type=int, default=None, help="prompts per set (default: all)")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--rotate", action="store_true")
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    target = spec_jax.load_target(a.model)
+    drafts = {d: load_draft(target, d) for d in a.drafts}
+    stats = defaultdict(lambda: {"prompts": 0, "mismatches": 0, "tokens": 0, "steps": 0})
+    t0 = time.time()
+    for set_name, path in SETS.items():
+        prompts = [p.text for p in read_prompts(path)][:a.limit]
+        assign = defaultdict(list)
+        for i, p in enumerate(prompts):
+            names = [a.drafts[i % len(a.drafts)]] if a.rotate else a.drafts
+            for n in names:
+                assign[n].append(p)
+        for name, ps in assign.items():
+            draft, tree = drafts[name]
+            for i in range(0, len(ps), a.batch):
+                chunk = ps[i:i + a.batch]
+                plain = spec_jax.generate_batch(target, chunk, a.max_new_tokens)
+                spec = spec_jax.generate_batch(target, chunk, a.max_new_tokens, draft=draft, tree=tree)
+                s = stats[(name, set_name)]
+                for p_, s_ in zip(plain, spec):
+                    s["prompts"] += 1
+                    s["mismatches"] += int(p_.token_ids != s_.token_ids)
+                    s["tokens"] += len(s_.token_ids) - 1
+                    s["steps"] += sum(s_.stats["acceptance_histogram"])
+            print(f"[{time.time() - t0:6.0f}s] {set_name} {name}: {stats[(name, set_name)]}", flush=True)
+    print("\n| drafter | set | prompts | differ from plain | tau |\n|---|---|---|---|---|")
+    for (name, set_name), s in stats.items():
+        tau = s["tokens"] / s["steps"] if s["steps"] else float("nan")
+        print(f"| {name} | {set_name} | {s['prompts']} | {s['mismatches']} | {tau:.2f} |")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({f"{k[0]}|{k[1]}": v for k, v in stats.items()}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
