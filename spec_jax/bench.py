@@ -53,7 +53,7 @@ def summarize(runs: list[Run], verify_time: Callable[[int], float] | None = None
         wall = sum(r.wall for r in rs)
         steps = sum(r.steps for r in rs)
         row = {"method": method, "prompt_set": pset, "category": cat, "prompts": len(rs),
-               "new_tokens": tok, "tau": (tok - len(rs)) / steps if steps else 0.0,
+               "new_tokens": tok, "tau": (tok - len(rs)) / steps if steps else None,
                "tokens_per_second": tok / wall if wall else 0.0, "wall_seconds": wall,
                "compile_seconds": sum(r.compile_s for r in rs), "tree_tokens": rs[0].tree_tokens}
         if verify_time is not None and wall > 0:
@@ -76,8 +76,9 @@ def markdown(rows) -> str:
     for r in rows:
         sp = f"{r['speedup']:.2f}×" if r.get("speedup") else "–"
         vs = f"{r['verify_share']:.0%}" if "verify_share" in r else "–"
+        tau = f"{r['tau']:.2f}" if r["tau"] is not None else "–"
         lines.append(f"| {r['prompt_set']} | {r['category']} | {r['method']} | {r['tree_tokens']} | "
-                     f"{r['tau']:.2f} | {r['tokens_per_second']:.1f} | {sp} | {vs} |")
+                     f"{tau} | {r['tokens_per_second']:.1f} | {sp} | {vs} |")
     return "\n".join(lines)
 
 
@@ -152,7 +153,7 @@ def transformers_peer(target, prompts, max_new_tokens, mode="greedy") -> list[Ru
             wall = time.perf_counter() - t0
             n = out.shape[1] - ids.shape[1]
             runs.append(Run(method=f"transformers-{mode}", prompt_set=pset, category=p.category,
-                            new_tokens=n, steps=max(n - 1, 1), wall=wall, compile_s=0.0,
+                            new_tokens=n, steps=0, wall=wall, compile_s=0.0,  # tau not observable
                             tree_tokens=1))
     return runs
 
@@ -219,6 +220,18 @@ def calibrate_tree(target, heads, prompts, max_new_tokens=64, batch=1, candidate
         c = cached[key]
         return tuple(c["best"]), c["curve"]
     curve = []
+    # plain decoding is a candidate too: on hardware where verifying a tree costs much more than
+    # one token, or for heads that accept little, the best "tree" is no speculation at all
+    spec_jax.generate(target, prompts[0].text, 8)
+    tok = wall = 0.0
+    for p in prompts:
+        r = spec_jax.generate(target, p.text, max_new_tokens)
+        tok += r.stats["new_tokens"]
+        wall += r.stats["wall_seconds"]
+    curve.append({"top_k": 0, "depth": 0, "total_tokens": 1, "tokens_per_second": tok / wall,
+                  "tau": 1.0})
+    if progress:
+        print(f"  plain decoding: {tok / wall:.1f} tok/s", flush=True)
     for k, d, n in candidates:
         tree = {"top_k": k, "depth": d, "total_tokens": n}
         spec_jax.generate(target, prompts[0].text, 8, draft=heads, tree=tree)  # compile
@@ -269,7 +282,7 @@ def bench_cli(a):
             best, curve = calibrate_tree(target, heads, calib)
             (out / f"calibration_{heads.method}.json").write_text(json.dumps(curve, indent=1))
             tree = "dynamic:%d,%d,%d" % best
-            label = f"{heads.method}@auto({tree})"
+            label = f"{heads.method}@auto({tree if best[2] > 1 else 'plain'})"
         drafts[label] = (heads, tree or None)
     if a.calibrate:
         for label, (heads, _) in list(drafts.items()):

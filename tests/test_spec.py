@@ -102,3 +102,14 @@ def test_greedy_with_pallas_interpret_attention_equals_plain(tiny_target, heads,
     r = spec_jax.generate(tiny_target, prompt, 10, draft=draft, tree="dynamic:2,2,4",
                           attn_impl="pallas_interpret", stop_at_eos=False)
     assert r.token_ids == plain.token_ids
+
+
+def test_a_one_token_tree_means_plain_decoding(tiny_target, heads):
+    """Calibration may find that no tree pays on this hardware: 'dynamic:0,0,1' is plain decoding."""
+    from spec_jax.heads.base import Drafter
+
+    assert type(heads["eagle"].drafter("dynamic:0,0,1")) is Drafter
+    r = spec_jax.generate(tiny_target, [1, 2, 3], 8, draft=heads["eagle"], tree="dynamic:0,0,1",
+                          stop_at_eos=False)
+    assert r.token_ids == spec_jax.generate(tiny_target, [1, 2, 3], 8, stop_at_eos=False).token_ids
+    assert r.stats["method"] == "none"

@@ -73,6 +73,10 @@ class DraftHeads:
             dyn = {"top_k": 1, "depth": t.max_depth, "total_tokens": t.max_depth + 1}
         elif isinstance(t, dict):
             dyn.update(t)
+        if dyn["total_tokens"] <= 1:  # calibration found that speculation does not pay here
+            from spec_jax.heads.base import Drafter
+
+            return Drafter()
         if dyn["total_tokens"] > dyn["top_k"] + (dyn["depth"] - 1) * dyn["top_k"] ** 2 + 1:
             raise SpecJaxError(f"total_tokens {dyn['total_tokens']} exceeds what top_k {dyn['top_k']} "
                                f"and depth {dyn['depth']} can propose")
