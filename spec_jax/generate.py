@@ -43,7 +43,8 @@ def resolve_drafter(target: Target, draft, tree) -> tuple[Drafter, Any]:
         draft.check_target(target)
         if tree in (None, "auto") and draft.method in ("eagle", "eagle3"):
             tree = calibrated_tree(target, draft.method) or tree
-        return draft.drafter(tree), draft.params
+        drafter = draft.drafter(tree)
+        return drafter, (() if type(drafter) is Drafter else draft.params)
     raise SpecJaxError(f"unknown draft {draft!r}: pass 'ngram', heads from spec_jax.init_draft / "
                        "spec_jax.load_draft, or None for plain decoding")
 
@@ -110,7 +111,9 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128,
     cache = cache_for(target.cfg, b, n_slots)
     args = (target.params, dparams, jnp.asarray(tokens), jnp.asarray([len(x) for x in ids], jnp.int32),
             cache, jax.random.PRNGKey(seed), jnp.float32(temperature), jnp.float32(top_p))
-    ck = ("loop", drafter, settings, b, p_pad, n_slots)
+    dsig = (jax.tree.structure(dparams),
+            tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(dparams)))
+    ck = ("loop", drafter, settings, b, p_pad, n_slots, dsig)
     compile_s = 0.0
     if ck not in target.compiled:
         t0 = time.perf_counter()
