@@ -36,6 +36,19 @@ def atomic_dir(out_dir: Path, force: bool = False):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def read_meta(path: Path, kind: str, missing_hint: str) -> dict:
+    """The `spec_jax.json` of a checkpoint directory, checked to be of `kind` (target or draft)."""
+    import json
+
+    meta_file = Path(path) / "spec_jax.json"
+    if not meta_file.is_file():
+        raise SpecJaxError(f"{path} is not a spec_jax {kind} checkpoint (no spec_jax.json): {missing_hint}")
+    meta = json.loads(meta_file.read_text())
+    if meta.get("kind") != kind:
+        raise SpecJaxError(f"{path} holds a {meta.get('kind')!r} checkpoint, not a {kind}")
+    return meta
+
+
 def save_params(path: Path, params, dtype: str | None = None) -> None:
     import orbax.checkpoint as ocp
 

@@ -84,16 +84,11 @@ def load_target(path: str | Path, dtype: str | None = None, layers: str = "auto"
 
     layers: "scan" (stacked, compile time independent of depth), "unrolled" (per-layer buffers,
     faster decoding on CPU) or "auto" (unrolled on CPU, scan elsewhere)."""
-    from spec_jax.io import load_params
+    from spec_jax.io import load_params, read_meta
 
     path = Path(path)
-    meta_file = path / "spec_jax.json"
-    if not meta_file.is_file():
-        raise SpecJaxError(f"{path} is not a spec_jax checkpoint (no spec_jax.json): create one with "
-                           "`spec-jax fetch smollm2-135m-instruct` or `spec-jax convert --hf DIR --out DIR`")
-    meta = json.loads(meta_file.read_text())
-    if meta.get("kind") != "target":
-        raise SpecJaxError(f"{path} holds {meta.get('kind')!r}, not a target model")
+    meta = read_meta(path, "target", "create one with `spec-jax fetch smollm2-135m-instruct` "
+                     "or `spec-jax convert --hf DIR --out DIR`")
     cfg = ModelConfig.from_dict(meta["config"])
     params = load_params(path / "params")
     if dtype is not None and dtype != cfg.dtype:

@@ -8,6 +8,7 @@ import pytest
 from pallas_kernels import tree_attention
 from pallas_kernels.kernels import tree_attention_pallas
 from pallas_kernels.reference import tree_attention_reference
+from spec_jax.tree import ancestor_mask_np
 
 CASES = [  # (B, T, KVH, G, D, S, lengths)
     (1, 1, 3, 3, 64, 384, [200]),  # SmolLM2 layout, plain decode
@@ -23,13 +24,8 @@ def make_inputs(b, t, kvh, g, d, s, lengths, dtype, seed):
     f = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
     valid = rng.random((b, s)) < 0.7
     valid[:, 130:260] = False  # a fully masked block
-    parent = [-1] + [int(rng.integers(0, i)) for i in range(1, t)]
-    mask = np.eye(t, dtype=bool)
-    for i in range(t):
-        j = parent[i]
-        while j >= 0:
-            mask[i, j] = True
-            j = parent[j]
+    parent = np.asarray([-1] + [int(rng.integers(0, i)) for i in range(1, t)])
+    mask = ancestor_mask_np(parent)  # a random tree
     return (f(b, t, h, d), f(b, s, kvh, d), f(b, s, kvh, d), jnp.asarray(valid),
             jnp.asarray(lengths, jnp.int32), f(b, t, kvh, d), f(b, t, kvh, d),
             jnp.asarray(np.broadcast_to(mask, (b, t, t))))

@@ -134,15 +134,9 @@ def save_draft(heads: DraftHeads, out_dir, force: bool = False) -> Path:
 
 
 def load_draft(path) -> DraftHeads:
-    from spec_jax.io import load_params
+    from spec_jax.io import load_params, read_meta
 
     path = Path(path)
-    meta_file = path / "spec_jax.json"
-    if not meta_file.is_file():
-        raise SpecJaxError(f"{path} holds no draft heads (no spec_jax.json): train some with "
-                           "`spec-jax train` or pass 'ngram'")
-    meta = json.loads(meta_file.read_text())
-    if meta.get("kind") != "draft":
-        raise SpecJaxError(f"{path} holds a {meta.get('kind')!r} checkpoint, not draft heads")
+    meta = read_meta(path, "draft", "train heads with `spec-jax train` or pass 'ngram'")
     return DraftHeads(method=meta["method"], params=load_params(path / "params"),
                       hparams=meta["hparams"], target_info=meta["target"])

@@ -1,0 +1,95 @@
+"""HF -> Orbax conversion and the CLI: round trip, sharded files, atomic/no-overwrite, clear errors."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import spec_jax
+from spec_jax.cli import main
+from spec_jax.convert.hf import convert_hf
+from spec_jax.errors import SpecJaxError
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=90, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    d = tmp_path_factory.mktemp("hf")
+    model.save_pretrained(d / "single", safe_serialization=True)
+    model.save_pretrained(d / "sharded", safe_serialization=True, max_shard_size="20KB")
+    return d, model
+
+
+@pytest.mark.parametrize("layout", ["single", "sharded"])
+def test_convert_round_trip_matches_transformers(hf_dir, tmp_path, layout):
+    d, model = hf_dir
+    if layout == "sharded":
+        assert len(list((d / "sharded").glob("*.safetensors"))) > 1
+    out = convert_hf(d / layout, tmp_path / "ck")
+    target = spec_jax.load_target(out)
+    ids = [1, 5, 9, 33, 70, 2]
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0].numpy()
+    np.testing.assert_allclose(target.logits(ids), ref, atol=1e-4)
+
+
+def test_convert_never_overwrites_without_force(hf_dir, tmp_path):
+    d, _ = hf_dir
+    out = tmp_path / "ck"
+    convert_hf(d / "single", out)
+    marker = (out / "spec_jax.json").read_text()
+    with pytest.raises(SpecJaxError, match="already exists"):
+        convert_hf(d / "single", out)
+    convert_hf(d / "single", out, force=True)
+    assert (out / "spec_jax.json").read_text() == marker
+    assert [p.name for p in tmp_path.iterdir()] == ["ck"]  # no temporary folders left behind
+
+
+def test_unsupported_architecture_is_named(hf_dir, tmp_path):
+    d, _ = hf_dir
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    cfg = json.loads((d / "single" / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SpecJaxError, match="LlamaForCausalLM"):
+        convert_hf(bad, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys):
+    assert main(["convert", "--hf", str(tmp_path / "missing"), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("spec-jax: error:") and "config.json" in err[0]
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 2
+    assert "spec-jax fetch" in capsys.readouterr().err
+
+
+def test_cli_generate_json(smollm2, tmp_path, capsys):
+    """A tiny random model with SmolLM2's tokenizer: `generate --json` prints one JSON object."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.conftest import SMOLLM2
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=2)
+    hf = tmp_path / "hf"
+    LlamaForCausalLM(cfg).save_pretrained(hf, safe_serialization=True)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(SMOLLM2 / name, hf / name)
+    assert main(["convert", "--hf", str(hf), "--out", str(tmp_path / "ck")]) == 0
+    capsys.readouterr()
+    assert main(["generate", "--model", str(tmp_path / "ck"), "--prompt", "hello",
+                 "--max-new-tokens", "5", "--json", "--draft", "ngram"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert set(out) == {"text", "token_ids", "stats"}
+    assert 1 <= len(out["token_ids"]) <= 5 and out["stats"]["new_tokens"] == len(out["token_ids"])
+    assert out["text"] == smollm2.tokenizer.decode(out["token_ids"], skip_special_tokens=True)
