@@ -30,4 +30,6 @@ def smollm2():
         from spec_jax.convert.fetch import fetch
 
         fetch("smollm2-135m-instruct", SMOLLM2, force=SMOLLM2.exists())
-    return spec_jax.load_target(SMOLLM2)
+    # stacked layers compile several times faster than unrolled ones (the CPU default); the
+    # unrolled path is checked against the scanned one in test_model_parity
+    return spec_jax.load_target(SMOLLM2, layers="scan")
