@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from spec_jax.cache import KVCache, commit
 from spec_jax.config import ModelConfig
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
-from spec_jax.models.llama import causal_mask, forward
+from spec_jax.models.llama import causal_mask, forward, lm_head
 from spec_jax.verify import sample_token, verify
 
 FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
@@ -85,8 +85,6 @@ def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatu
     fwd = forward(params, cfg, tokens, positions, cache, causal_mask(b, p),
                   aux_layers=drafter.aux_layers, return_logits=False, attn_impl=settings.attn_impl)
     rows = jnp.arange(b)
-    from spec_jax.models.llama import lm_head
-
     last_h = fwd.hidden[rows, prompt_len - 1]  # [B, H]
     key, k0 = jax.random.split(key)
     first = sample_token(lm_head(params, cfg, last_h), k0, greedy, temperature, top_p)

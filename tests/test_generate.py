@@ -37,8 +37,7 @@ def test_stops_at_eos_and_reports_stop():
     target = spec_jax.random_target(cfg, seed=0, scale=0.3)
     prompt = [3, 4, 5]
     free = spec_jax.generate(target, prompt, 40, stop_at_eos=False).token_ids
-    eos = [t for t in free]
-    target_eos = int(eos[5])
+    target_eos = int(free[5])
     target2 = spec_jax.random_target(tiny_config(eos_token_ids=(target_eos,)), seed=0, scale=0.3)
     r = spec_jax.generate(target2, prompt, 40)
     cut = free.index(target_eos) + 1

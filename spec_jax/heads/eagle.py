@@ -51,10 +51,8 @@ class EagleDrafter(FeatureDrafter):
              cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask):
         e = embed(tparams, tokens).astype(feat.dtype)
         x = jnp.concatenate([e, feat], axis=-1) @ dparams["fc_w"] + dparams["fc_b"]
-        kv = {}
 
         def attend(q, k, v):
-            kv["k"], kv["v"] = k, v
             return draft_attention(q, cache_k, cache_v, cache_valid, cache_len, extra_k, extra_v,
                                    extra_mask, k, v, own_mask, self.attn_impl)
 

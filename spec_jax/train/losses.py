@@ -65,7 +65,6 @@ def feature_unrolled(drafter, dparams, tparams, tcfg, batch, steps: int, key, no
             out1 = out
     total, metrics = 0.0, {}
     feat, diag_k, diag_v = out1, [], []
-    _, k1, v1 = None, *ctx[0]
     for i in range(steps):
         m = i % drafter.num_modules
         if i > 0:
