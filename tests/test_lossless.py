@@ -59,7 +59,8 @@ def chi2_pvalue(counts, probs):
     return stats.chi2.sf(stat, keep.sum() - 1)
 
 
-CASES = [("plain", None), ("ngram", None), ("eagle", "dynamic:3,3,8"), ("eagle3", "dynamic:2,3,6"),
+CASES = [("plain", None), ("ngram", None), ("eagle", "dynamic:3,3,8"),
+         ("eagle", "[[0],[1],[0,0],[0,1],[1,0],[0,0,0]]"), ("eagle3", "dynamic:2,3,6"),
          ("medusa", "[[0],[1],[2],[0,0],[1,0],[0,0,0]]"), ("mtp", None)]
 
 

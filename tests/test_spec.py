@@ -8,9 +8,9 @@ from spec_jax.errors import SpecJaxError
 from tests.conftest import tiny_config
 
 SMALL_TREES = {
-    "eagle": ["dynamic:3,3,8", "chain:2"],
-    "eagle3": ["dynamic:2,4,7"],
-    "mtp": [None],
+    "eagle": ["dynamic:3,3,8", "chain:2", "mc_sim_7b_63"],
+    "eagle3": ["dynamic:2,4,7", "[[0],[1],[0,0],[1,0],[0,1],[0,0,0]]"],
+    "mtp": [None, "[[0],[1],[0,0],[0,0,0],[0,0,1]]"],
     "medusa": ["[[0],[1],[0,0],[1,0],[0,1],[0,0,0]]", "chain:2"],
 }
 
@@ -40,6 +40,34 @@ def test_greedy_speculative_equals_plain(tiny_target, heads, method, tree):
         # every step emits accepted + 1 tokens; the last step may be cut by max_new_tokens
         emitted = sum(i * c for i, c in enumerate(s["acceptance_histogram"])) + steps
         assert emitted >= 23 > emitted - (len(s["acceptance_histogram"]))
+
+
+def test_static_tree_drafts_what_the_full_dynamic_tree_does(tiny_target, heads):
+    """A complete top-2, depth-2 tree: the static path list and the dynamic tree that keeps every
+    candidate propose the same tokens in the same node order."""
+    import jax
+    import jax.numpy as jnp
+
+    from spec_jax.heads.base import PrefillContext
+    from spec_jax.cache import cache_for
+    from spec_jax.models.llama import causal_mask, forward
+
+    h = heads["eagle"]
+    static = h.drafter("[[0],[1],[0,0],[0,1],[1,0],[1,1]]")
+    dynamic = h.drafter("dynamic:2,2,7")
+    assert static.static_tree is not None and static.tree_size == dynamic.tree_size == 7
+    cfg, tp = tiny_target.cfg, tiny_target.params
+    toks = jnp.asarray([[5, 9, 2, 7, 7, 1]], jnp.int32)
+    pos = jnp.arange(6, dtype=jnp.int32)[None]
+    out = forward(tp, cfg, toks, pos, cache_for(cfg, 1, 16), causal_mask(1, 6))
+    ctx = PrefillContext(tokens=toks, prompt_len=jnp.asarray([6]), hidden=out.hidden,
+                         aux_hidden=None, first_token=jnp.asarray([3]))
+    trees = []
+    for d in (static, dynamic):
+        st = d.after_prefill(h.params, tp, cfg, d.init_state(h.params, tp, cfg, 1, 16), ctx)
+        trees.append(d.propose(h.params, tp, cfg, st, jnp.asarray([3]), jax.random.PRNGKey(0))[0])
+    for field in ("tokens", "parent", "depth", "mask"):
+        np.testing.assert_array_equal(getattr(trees[0], field), getattr(trees[1], field), field)
 
 
 def test_batch_speculative_rows_are_independent(tiny_target, heads):

@@ -10,6 +10,9 @@ Dynamic tree (EAGLE-2): at depth 1 take the top_k tokens of the root; at each fu
 the draft on the top_k frontier nodes, score their top_k children by cumulative log-probability,
 and keep the top_k as the next frontier; finally keep the `total_tokens - 1` best nodes overall.
 A chain (MTP) is the same with top_k = 1.
+
+Static tree (EAGLE-1, or any list of paths): the same depth-by-depth expansion over a fixed set of
+nodes; a node of rank r takes its parent's r-th best draft token.
 """
 from __future__ import annotations
 
@@ -18,11 +21,12 @@ import dataclasses
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from spec_jax.cache import KVCache, commit, init_cache
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext, accepted_chunk
 from spec_jax.models.llama import causal_mask, embed
-from spec_jax.tree import Tree, ancestor_mask, children_table
+from spec_jax.tree import StaticTree, Tree, ancestor_mask, children_table, static_tree_batch
 
 
 @flax.struct.dataclass
@@ -41,6 +45,7 @@ class FeatureDrafter(Drafter):
     total_tokens: int = 32  # nodes including the root
     num_modules: int = 1
     attn_impl: str = "xla"
+    static_tree: StaticTree | None = None  # set: draft this fixed tree instead of a dynamic one
 
     # ---- what each method defines ----
     def target_feature(self, dparams, tcfg, hidden, aux_hidden):
@@ -57,6 +62,11 @@ class FeatureDrafter(Drafter):
         raise NotImplementedError
 
     # ---- shared machinery ----
+    def for_tree(self, tree: StaticTree):
+        """This drafter drafting the static `tree` (top_k, depth and size follow from it)."""
+        return dataclasses.replace(self, static_tree=tree, top_k=int(tree.arrays()[2].max()) + 1,
+                                   depth=tree.max_depth, total_tokens=tree.size)
+
     @property
     def tree_size(self) -> int:
         return self.total_tokens
@@ -67,6 +77,8 @@ class FeatureDrafter(Drafter):
 
     @property
     def max_children(self) -> int:
+        if self.static_tree is not None:
+            return self.static_tree.arrays()[4].shape[1]
         return self.top_k
 
     @property
@@ -134,6 +146,8 @@ class FeatureDrafter(Drafter):
         return self._run_chunk(dparams, tparams, tcfg, state, feats, next_tok, positions, valid)
 
     def propose(self, dparams, tparams, tcfg, state: FeatureState, root, key):
+        if self.static_tree is not None:
+            return self._propose_static(dparams, tparams, tcfg, state, root), state
         b = root.shape[0]
         k, depth = self.top_k, self.depth
         kvh, hd = tcfg.num_kv_heads, tcfg.head_dim
@@ -198,6 +212,51 @@ class FeatureDrafter(Drafter):
         tree = Tree(tokens=tokens.astype(jnp.int32), parent=parent, depth=dep,
                     mask=ancestor_mask(parent, depth), children=children_table(parent, k))
         return tree, state
+
+    def _propose_static(self, dparams, tparams, tcfg, state: FeatureState, root) -> Tree:
+        """Expand the static tree depth by depth: one draft call per depth over the nodes of the
+        previous depth that have children; their K/V go to a per-step buffer (slot per node)."""
+        parent, depth, rank, _, _, _ = self.static_tree.arrays()
+        t, b = len(parent), root.shape[0]
+        kvh, hd = tcfg.num_kv_heads, tcfg.head_dim
+        expand = [i for i in range(1, t) if np.any(parent == i)]  # node order: depth-contiguous
+        slot = {n: j for j, n in enumerate(expand)}
+        n_buf = max(len(expand), 1)
+        buf_k = jnp.zeros((b, n_buf, kvh, hd), state.cache.k.dtype)
+        buf_v = jnp.zeros_like(buf_k)
+        tokens = [root] + [None] * (t - 1)
+        for i in range(1, t):
+            if depth[i] == 1:
+                tokens[i] = state.root_tok[:, rank[i]]
+        out_of = {}  # node -> draft output feature [B, H] (predicts the node's children)
+        root_pos = state.cache.length
+        for d in range(2, self.depth + 1):
+            run = [i for i in expand if depth[i] == d - 1]
+            feat = jnp.stack([state.root_feat if parent[i] == 0 else out_of[parent[i]] for i in run], 1)
+            tok = jnp.stack([tokens[i] for i in run], 1)
+            anc = np.zeros((len(run), n_buf), bool)
+            for r, i in enumerate(run):
+                a = parent[i]
+                while a > 0:
+                    anc[r, slot[a]] = True
+                    a = parent[a]
+            positions = root_pos[:, None] + (d - 2) + jnp.zeros((1, len(run)), jnp.int32)
+            out, kk, vv = self._attend_cell(
+                dparams, tparams, tcfg, (d - 1) % self.num_modules, feat, tok, positions,
+                state.cache, buf_k, buf_v, jnp.broadcast_to(jnp.asarray(anc), (b,) + anc.shape),
+                jnp.broadcast_to(jnp.eye(len(run), dtype=bool), (b, len(run), len(run))))
+            s0 = slot[run[0]]
+            buf_k = jax.lax.dynamic_update_slice_in_dim(buf_k, kk.astype(buf_k.dtype), s0, 1)
+            buf_v = jax.lax.dynamic_update_slice_in_dim(buf_v, vv.astype(buf_v.dtype), s0, 1)
+            kids = [c for c in range(t) if depth[c] == d]
+            _, top = self.logp_topk(dparams, tparams, tcfg, out, int(rank[kids].max()) + 1)
+            col = {n: r for r, n in enumerate(run)}
+            picked = top[:, np.array([col[parent[c]] for c in kids]), rank[kids]]  # [B, len(kids)]
+            for j, c in enumerate(kids):
+                tokens[c] = picked[:, j]
+            for r, i in enumerate(run):
+                out_of[i] = out[:, r]
+        return static_tree_batch(self.static_tree, jnp.stack(tokens, 1).astype(jnp.int32), b)
 
 
 def draft_attention(q, cache_k, cache_v, cache_valid, cache_len, extra_k, extra_v, extra_mask,

@@ -66,11 +66,12 @@ class DraftHeads:
         dyn = {k: hp[k] for k in ("top_k", "depth", "total_tokens") if k in hp}
         if self.method == "mtp":
             dyn = {"top_k": 1, "depth": hp.get("depth", 3), "total_tokens": hp.get("depth", 3) + 1}
+        static = None
         if isinstance(t, StaticTree):
-            if t.paths != StaticTree.chain(t.max_depth).paths:
-                raise SpecJaxError(f"{self.method} heads take a dynamic tree ('auto', 'dynamic:K,D,N') "
-                                   "or a chain ('chain:N'); static path lists are for Medusa")
-            dyn = {"top_k": 1, "depth": t.max_depth, "total_tokens": t.max_depth + 1}
+            if t.paths == StaticTree.chain(t.max_depth).paths:  # a chain: the top-1 dynamic tree
+                dyn = {"top_k": 1, "depth": t.max_depth, "total_tokens": t.max_depth + 1}
+            else:
+                static = t
         elif isinstance(t, dict):
             dyn.update(t)
         if dyn["total_tokens"] <= 1:  # calibration found that speculation does not pay here
@@ -83,14 +84,16 @@ class DraftHeads:
         if self.method == "eagle":
             from spec_jax.heads.eagle import EagleDrafter
 
-            return EagleDrafter(**dyn)
-        if self.method == "eagle3":
+            d = EagleDrafter(**dyn)
+        elif self.method == "eagle3":
             from spec_jax.heads.eagle3 import Eagle3Drafter
 
-            return Eagle3Drafter(fused_layers=tuple(hp["fused_layers"]), **dyn)
-        from spec_jax.heads.mtp import MtpDrafter
+            d = Eagle3Drafter(fused_layers=tuple(hp["fused_layers"]), **dyn)
+        else:
+            from spec_jax.heads.mtp import MtpDrafter
 
-        return MtpDrafter(num_modules=hp.get("num_modules", 1), **dyn)
+            d = MtpDrafter(num_modules=hp.get("num_modules", 1), **dyn)
+        return d if static is None else d.for_tree(static)
 
 
 def init_draft(target, method: str, seed: int = 0, scale: float = 0.02, **hparams) -> DraftHeads:
