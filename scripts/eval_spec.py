@@ -41,6 +41,7 @@ def main():
     ap.add_argument("--limit", type=int, default=None, help="prompts per set (default: all)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rotate", action="store_true")
+    ap.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
     ap.add_argument("--json", default=None)
     ap.add_argument("--layers", default="scan", help="scan compiles much faster than unrolled")
     a = ap.parse_args()
@@ -48,7 +49,8 @@ def main():
     drafts = {d: load_draft(target, d) for d in a.drafts}
     stats = defaultdict(lambda: {"prompts": 0, "mismatches": 0, "tokens": 0, "steps": 0})
     t0 = time.time()
-    for set_name, path in SETS.items():
+    for set_name in a.sets:
+        path = SETS[set_name]
         prompts = [p.text for p in read_prompts(path)][:a.limit]
         prompts.sort(key=len)  # neighbours share a padded shape: fewer compilations
         assign = defaultdict(list)

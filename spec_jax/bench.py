@@ -33,6 +33,7 @@ class Run:
     wall: float
     compile_s: float
     tree_tokens: int
+    hist: tuple[int, ...] = ()  # acceptance histogram: steps that accepted 0, 1, 2, ... drafts
 
 
 def summarize(runs: list[Run], verify_time: Callable[[int], float] | None = None,
@@ -128,8 +129,22 @@ def run_bench(target, drafts: dict[str, tuple[Any, Any]], prompt_sets: dict[str,
             runs.append(Run(method=name, prompt_set=pset, category=p.category,
                             new_tokens=s["new_tokens"], steps=sum(s["acceptance_histogram"]),
                             wall=s["wall_seconds"], compile_s=s["compile_seconds"],
-                            tree_tokens=s["tree_tokens"]))
+                            tree_tokens=s["tree_tokens"],
+                            hist=tuple(s["acceptance_histogram"])))
     return runs
+
+
+def method_histograms(runs: list[Run]) -> dict[str, list[int]]:
+    """Acceptance histograms summed over each method's runs (methods that speculate only)."""
+    out: dict[str, list[int]] = {}
+    for r in runs:
+        if len(r.hist) < 2:
+            continue
+        h = out.setdefault(r.method, [])
+        h.extend([0] * (len(r.hist) - len(h)))
+        for i, c in enumerate(r.hist):
+            h[i] += c
+    return out
 
 
 def transformers_peer(target, prompts, max_new_tokens, mode="greedy") -> list[Run]:
@@ -309,7 +324,7 @@ def bench_cli(a):
                                                   "runs": [dataclasses.asdict(r) for r in runs]},
                                                  indent=1))
     (out / "results.md").write_text(table + "\n")
-    plot(rows, {}, out)
+    plot(rows, method_histograms(runs), out)
 
 
 def _plot_curve(curve, path):

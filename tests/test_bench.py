@@ -1,7 +1,7 @@
 """The bench's arithmetic: tau, tokens/s, speedup and time shares from known runs."""
 import pytest
 
-from spec_jax.bench import Run, markdown, summarize
+from spec_jax.bench import Run, markdown, method_histograms, summarize
 
 
 def test_summary_arithmetic_on_known_runs():
@@ -26,3 +26,10 @@ def test_summary_arithmetic_on_known_runs():
     assert eagle["verify_share"] == 1.0
     assert plain["verify_share"] == pytest.approx(96 * 0.01 / 3.0)
     assert "| mt | all | eagle | 32 | 4.00 |" in markdown(summarize(runs))
+
+
+def test_method_histograms_sum_runs_and_skip_plain():
+    runs = [Run("plain", "mt", "w", 5, 4, 1.0, 0.0, 1, (4,)),
+            Run("eagle", "mt", "w", 9, 4, 1.0, 0.0, 8, (1, 2, 1)),
+            Run("eagle", "mt", "c", 9, 3, 1.0, 0.0, 8, (0, 1, 1, 1))]
+    assert method_histograms(runs) == {"eagle": [1, 3, 2, 1]}
