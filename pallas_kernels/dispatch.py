@@ -21,8 +21,8 @@ def tree_attention(q, k_cache, v_cache, slot_valid, length, k_new, v_new, tree_m
     """Attention of T block queries over the committed cache and the block itself. [B, T, H, D]."""
     impl = resolve_impl(impl)
     if impl == "xla":
-        return reference.tree_attention_reference(q, k_cache, v_cache, slot_valid, length, k_new,
-                                                  v_new, tree_mask, scale=scale)
+        return reference.tree_attention_xla(q, k_cache, v_cache, slot_valid, length, k_new, v_new,
+                                            tree_mask, scale=scale)
     from pallas_kernels import kernels  # imported lazily: Pallas is only needed when asked for
 
     return kernels.tree_attention_pallas(q, k_cache, v_cache, slot_valid, length, k_new, v_new,

@@ -5,11 +5,12 @@ Cache kernel (one semantics, two lowerings):
   * TPU (Mosaic; also the CPU interpret path): grid (batch, cache blocks). Per-row lengths arrive by
     scalar prefetch; blocks at or past a row's length are skipped (`pl.when`) and their index maps
     point back at the last live block, so no new DMA is issued for them. Each program handles all
-    KV heads of its block: the cache is viewed as [B, S, KVH*D] (a free reshape), so tiles respect
-    the (8, 128) rule for any head layout, and each query-head group is a [T*G, D] slab, so K/V are
-    never repeated in memory (GQA).
-  * GPU (Triton): grid (batch, KV heads), an in-kernel loop over cache blocks whose trip count is
-    cdiv(length, block): blocks past the written region are never visited.
+    KV heads of its block: a (KVH, block, D) tile of the heads-major cache [B, KVH, S, D] (the last
+    two tile dims are a multiple of 8 and the full head dim), and each query-head group is a
+    [T*G, D] slab, so K/V are never repeated in memory (GQA).
+  * GPU (Triton): grid (batch, KV heads), an in-kernel loop over cache blocks of the contiguous
+    [S, D] head matrix whose trip count is cdiv(length, block): blocks past the written region are
+    never visited.
 Both return the un-normalised partial (output, log-sum-exp) that `reference.merge` combines with
 the block attention.
 """
@@ -67,8 +68,8 @@ def _tpu_kernel(len_ref, q_ref, k_ref, v_ref, valid_ref, o_ref, lse_ref, m_sc, l
         row_ok = (i * block + jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0)) < length
         for j in range(kvh):
             q = q_ref[0, j].astype(jnp.float32)  # [R, D]
-            k = k_ref[0, :, j * d:(j + 1) * d].astype(jnp.float32)  # [block, D]
-            v = jnp.where(row_ok, v_ref[0, :, j * d:(j + 1) * d].astype(jnp.float32), 0.0)
+            k = k_ref[0, j].astype(jnp.float32)  # [block, D]
+            v = jnp.where(row_ok, v_ref[0, j].astype(jnp.float32), 0.0)
             s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                                     preferred_element_type=jnp.float32) * scale  # [R, block]
             s = jnp.where(ok, s, NEG)
@@ -94,13 +95,11 @@ def cache_attention_tpu(q, k_cache, v_cache, slot_valid, length, scale, *, block
     from jax.experimental.pallas import tpu as pltpu
 
     b, t, h, d = q.shape
-    _, s, kvh, _ = k_cache.shape
+    _, kvh, s, _ = k_cache.shape
     block = min(block, -(-s // LANES) * LANES)
     n_blocks = -(-s // block)
     qg, _ = _group_queries(q, kvh, lambda r: -(-r // 8) * 8)
     r_pad = qg.shape[2]
-    kf = k_cache.reshape(b, s, kvh * d)
-    vf = v_cache.reshape(b, s, kvh * d)
     valid = slot_valid.astype(jnp.int32)[:, None, :]
 
     def live(bi, i, lens):  # the last block holding written slots; skipped blocks map here
@@ -114,8 +113,8 @@ def cache_attention_tpu(q, k_cache, v_cache, slot_valid, length, scale, *, block
         grid=(b, n_blocks),
         in_specs=[
             pl.BlockSpec((1, kvh, r_pad, d), lambda bi, i, lens: (bi, 0, 0, 0)),
-            pl.BlockSpec((1, block, kvh * d), lambda bi, i, lens: (bi, live(bi, i, lens), 0)),
-            pl.BlockSpec((1, block, kvh * d), lambda bi, i, lens: (bi, live(bi, i, lens), 0)),
+            pl.BlockSpec((1, kvh, block, d), lambda bi, i, lens: (bi, 0, live(bi, i, lens), 0)),
+            pl.BlockSpec((1, kvh, block, d), lambda bi, i, lens: (bi, 0, live(bi, i, lens), 0)),
             pl.BlockSpec((1, 1, block), lambda bi, i, lens: (bi, 0, live(bi, i, lens))),
         ],
         out_specs=[
@@ -134,7 +133,7 @@ def cache_attention_tpu(q, k_cache, v_cache, slot_valid, length, scale, *, block
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="tree_attention_cache_tpu",
-    )(length.astype(jnp.int32), qg, kf, vf, valid)
+    )(length.astype(jnp.int32), qg, k_cache, v_cache, valid)
     return _ungroup(o, lse[..., 0], b, t, h, d, kvh)
 
 
@@ -180,7 +179,7 @@ def cache_attention_triton(q, k_cache, v_cache, slot_valid, length, scale, *, bl
     from jax.experimental.pallas import triton as plgpu
 
     b, t, h, d = q.shape
-    _, s, kvh, _ = k_cache.shape
+    _, kvh, s, _ = k_cache.shape
     pow2 = lambda r: max(16, 1 << (r - 1).bit_length())
     qg, _ = _group_queries(q, kvh, pow2)
     r_pad = qg.shape[2]
@@ -190,8 +189,8 @@ def cache_attention_triton(q, k_cache, v_cache, slot_valid, length, scale, *, bl
         grid=(b, kvh),
         in_specs=[
             pl.BlockSpec((None, None, r_pad, d), lambda bi, hi: (bi, hi, 0, 0)),
-            pl.BlockSpec((None, s, None, d), lambda bi, hi: (bi, 0, hi, 0)),
-            pl.BlockSpec((None, s, None, d), lambda bi, hi: (bi, 0, hi, 0)),
+            pl.BlockSpec((None, None, s, d), lambda bi, hi: (bi, hi, 0, 0)),
+            pl.BlockSpec((None, None, s, d), lambda bi, hi: (bi, hi, 0, 0)),
             pl.BlockSpec((None, s), lambda bi, hi: (bi, 0)),
             pl.BlockSpec((None, 1), lambda bi, hi: (bi, 0)),
         ],

@@ -5,7 +5,8 @@ decode token) attend to
   * the committed KV cache, where slot s counts iff `slot_valid[b, s]` and `s < length[b]`, and
   * the T new keys themselves, under `tree_mask[b, i, j]` (ancestor-or-self for a tree, causal for
     a chain or prompt).
-Shapes: q [B, T, H, D]; k_cache, v_cache [B, S, KVH, D]; k_new, v_new [B, N, KVH, D];
+Shapes: q [B, T, H, D]; k_cache, v_cache [B, KVH, S, D] (heads-major, as spec_jax.cache stores
+them); k_new, v_new [B, N, KVH, D] (token-major, as a layer produces them);
 slot_valid [B, S] bool; length [B] int32; tree_mask [B, T, N] bool (N = T for a target step; a
 draft step's queries also see a buffer of earlier tree nodes, so N >= T there). H is a multiple of KVH
 (grouped-query attention: query head h reads KV head h // (H // KVH)).
@@ -24,21 +25,24 @@ def _grouped(q, num_kv_heads):
 
 
 def cache_attention(q, k_cache, v_cache, slot_valid, length, scale):
-    """Attention of q over the committed cache only. Returns (out [B,T,H,D] f32, lse [B,T,H] f32)."""
+    """Attention of q over the committed cache only. Returns (out [B,T,H,D] f32, lse [B,T,H] f32).
+
+    Per (row, KV head) this is two plain matmuls over the contiguous [S, D] cache matrix, with the
+    head group's queries as a [T*G, D] slab."""
     b, t, h, d = q.shape
-    kvh = k_cache.shape[2]
-    qg = _grouped(q, kvh).astype(jnp.float32)
-    s = jnp.einsum("btkgd,bskd->btkgs", qg, k_cache.astype(jnp.float32)) * scale
-    slots = jnp.arange(k_cache.shape[1])
-    ok = slot_valid & (slots[None, :] < length[:, None])  # [B, S]
-    s = jnp.where(ok[:, None, None, None, :], s, NEG_INF)
+    kvh, s_len = k_cache.shape[1], k_cache.shape[2]
+    g = h // kvh
+    qg = q.reshape(b, t, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * g, d)
+    s = jnp.einsum("bkrd,bksd->bkrs", qg.astype(jnp.float32), k_cache.astype(jnp.float32)) * scale
+    ok = (slot_valid & (jnp.arange(s_len)[None, :] < length[:, None]))[:, None, None, :]  # [B,1,1,S]
+    s = jnp.where(ok, s, NEG_INF)
     m = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.exp(s - m)
-    p = jnp.where(ok[:, None, None, None, :], p, 0.0)
+    p = jnp.where(ok, jnp.exp(s - m), 0.0)
     l = jnp.sum(p, axis=-1, keepdims=True)
-    o = jnp.einsum("btkgs,bskd->btkgd", p, v_cache.astype(jnp.float32)) / jnp.maximum(l, 1e-30)
+    o = jnp.einsum("bkrs,bksd->bkrd", p, v_cache.astype(jnp.float32)) / jnp.maximum(l, 1e-30)
     lse = jnp.where(l[..., 0] > 0, m[..., 0] + jnp.log(jnp.maximum(l[..., 0], 1e-30)), NEG_INF)
-    return o.reshape(b, t, h, d), lse.reshape(b, t, h)
+    o = o.reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
+    return o, lse.reshape(b, kvh, t, g).transpose(0, 2, 1, 3).reshape(b, t, h)
 
 
 def block_attention(q, k_new, v_new, tree_mask, scale):
@@ -65,18 +69,29 @@ def merge(o1, lse1, o2, lse2):
     return (o1 * w1 + o2 * w2) / jnp.maximum(w1 + w2, 1e-30)
 
 
+def tree_attention_xla(q, k_cache, v_cache, slot_valid, length, k_new, v_new, tree_mask,
+                       scale=None):
+    """The XLA implementation: cache part and block part, merged (no concatenated copy of the
+    cache). Equal to the reference up to float rounding. [B, T, H, D]."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    o1, lse1 = cache_attention(q, k_cache, v_cache, slot_valid, length, scale)
+    o2, lse2 = block_attention(q, k_new, v_new, tree_mask, scale)
+    return merge(o1, lse1, o2, lse2).astype(q.dtype)
+
+
 def tree_attention_reference(q, k_cache, v_cache, slot_valid, length, k_new, v_new, tree_mask,
                              scale=None):
     """Exact attention over cache + tree (one softmax over the concatenated keys). [B,T,H,D]."""
     b, t, h, d = q.shape
     scale = d ** -0.5 if scale is None else scale
-    kvh = k_cache.shape[2]
+    kvh, s_len = k_cache.shape[1], k_cache.shape[2]
     qg = _grouped(q, kvh).astype(jnp.float32)
-    k = jnp.concatenate([k_cache, k_new.astype(k_cache.dtype)], axis=1).astype(jnp.float32)
-    v = jnp.concatenate([v_cache, v_new.astype(v_cache.dtype)], axis=1).astype(jnp.float32)
-    slots = jnp.arange(k_cache.shape[1])
+    tok_major = lambda c: c.transpose(0, 2, 1, 3)  # [B, KVH, S, D] -> [B, S, KVH, D]
+    k = jnp.concatenate([tok_major(k_cache), k_new.astype(k_cache.dtype)], axis=1).astype(jnp.float32)
+    v = jnp.concatenate([tok_major(v_cache), v_new.astype(v_cache.dtype)], axis=1).astype(jnp.float32)
+    slots = jnp.arange(s_len)
     ok_cache = slot_valid & (slots[None, :] < length[:, None])  # [B, S]
-    ok = jnp.concatenate([jnp.broadcast_to(ok_cache[:, None, :], (b, t, k_cache.shape[1])),
+    ok = jnp.concatenate([jnp.broadcast_to(ok_cache[:, None, :], (b, t, s_len)),
                           tree_mask], axis=-1)  # [B, T, S+T]
     s = jnp.einsum("btkgd,bskd->btkgs", qg, k) * scale
     s = jnp.where(ok[:, :, None, None, :], s, NEG_INF)

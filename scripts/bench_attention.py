@@ -69,7 +69,7 @@ def main():
             for t in (1, 8, 32, 64):
                 f = lambda *shape: jnp.asarray(rng.standard_normal(shape), dt)
                 length = jnp.array([s // 2], jnp.int32)
-                args = (f(1, t, h, d), f(1, s, kvh, d), f(1, s, kvh, d), jnp.ones((1, s), bool),
+                args = (f(1, t, h, d), f(1, kvh, s, d), f(1, kvh, s, d), jnp.ones((1, s), bool),
                         length, f(1, t, kvh, d), f(1, t, kvh, d),
                         jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (1, t, t)))
                 ref = None
@@ -87,7 +87,7 @@ def main():
     if backend == "cpu":
         h, kvh, d = LAYOUTS["smollm2"]
         f = lambda *shape: jnp.asarray(rng.standard_normal(shape), dt)
-        args = (f(1, 8, h, d), f(1, 1024, kvh, d), f(1, 1024, kvh, d), jnp.ones((1, 1024), bool),
+        args = (f(1, 8, h, d), f(1, kvh, 1024, d), f(1, kvh, 1024, d), jnp.ones((1, 1024), bool),
                 jnp.array([700], jnp.int32), f(1, 8, kvh, d), f(1, 8, kvh, d),
                 jnp.broadcast_to(jnp.tril(jnp.ones((8, 8), bool)), (1, 8, 8)))
         err = float(jnp.max(jnp.abs(tree_attention(*args, impl="pallas_interpret")

@@ -1,5 +1,9 @@
 """Static-size KV cache: fixed shapes, per-slot validity and positions, writes in place.
 
+Keys and values are stored heads-major, [L, B, KVH, S, D], so each (row, KV head) is one contiguous
+[S, D] matrix: attention reads it with a plain matmul (no transposed copy per layer and step, which
+on XLA:CPU cost more than the attention itself) and Pallas kernels tile it directly.
+
 Slots `[0, length[b])` of row b hold committed tokens; everything at or past `length[b]` is
 invalid (stale draft K/V, padding) and masked out, never freed or reallocated. A step computes the
 K/V of its T block tokens outside the cache, then `commit` scatters only the accepted ones into
@@ -14,15 +18,15 @@ import jax.numpy as jnp
 
 @flax.struct.dataclass
 class KVCache:
-    k: jax.Array  # [L, B, S, KVH, D]
-    v: jax.Array  # [L, B, S, KVH, D]
+    k: jax.Array  # [L, B, KVH, S, D]
+    v: jax.Array  # [L, B, KVH, S, D]
     valid: jax.Array  # [B, S] bool: slot holds a committed token
     pos: jax.Array  # [B, S] int32: RoPE position of the token in the slot (-1 when empty)
     length: jax.Array  # [B] int32: next free slot
 
     @property
     def num_slots(self) -> int:
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def batch(self) -> int:
@@ -30,7 +34,7 @@ class KVCache:
 
 
 def init_cache(num_layers, batch, num_slots, num_kv_heads, head_dim, dtype=jnp.float32) -> KVCache:
-    shape = (num_layers, batch, num_slots, num_kv_heads, head_dim)
+    shape = (num_layers, batch, num_kv_heads, num_slots, head_dim)
     return KVCache(
         k=jnp.zeros(shape, dtype),
         v=jnp.zeros(shape, dtype),
@@ -60,8 +64,11 @@ def commit(cache: KVCache, k_new, v_new, positions, select, count) -> KVCache:
     slot = jnp.where((j < count[:, None]) & (slot < s), slot, s)  # [B, A]
     kk = k_new[:, b_idx, select]  # [L, B, A, KVH, D]
     vv = v_new[:, b_idx, select]
-    k = cache.k.at[:, b_idx, slot].set(kk.astype(cache.k.dtype), mode="drop")
-    v = cache.v.at[:, b_idx, slot].set(vv.astype(cache.v.dtype), mode="drop")
+    # index (row, slot, head) -> cache[:, row, head, slot]; the value keeps kk's [L, B, A, KVH, D]
+    h_idx = jnp.arange(cache.k.shape[2])[None, None, :]
+    bi, si = b_idx[:, :, None], slot[:, :, None]
+    k = cache.k.at[:, bi, h_idx, si].set(kk.astype(cache.k.dtype), mode="drop")
+    v = cache.v.at[:, bi, h_idx, si].set(vv.astype(cache.v.dtype), mode="drop")
     valid = cache.valid.at[b_idx, slot].set(True, mode="drop")
     pos = cache.pos.at[b_idx, slot].set(jnp.take_along_axis(positions, select, axis=1), mode="drop")
     length = jnp.minimum(cache.length + count, s)

@@ -26,7 +26,7 @@ def make_inputs(b, t, kvh, g, d, s, lengths, dtype, seed):
     valid[:, 130:260] = False  # a fully masked block
     parent = np.asarray([-1] + [int(rng.integers(0, i)) for i in range(1, t)])
     mask = ancestor_mask_np(parent)  # a random tree
-    return (f(b, t, h, d), f(b, s, kvh, d), f(b, s, kvh, d), jnp.asarray(valid),
+    return (f(b, t, h, d), f(b, kvh, s, d), f(b, kvh, s, d), jnp.asarray(valid),
             jnp.asarray(lengths, jnp.int32), f(b, t, kvh, d), f(b, t, kvh, d),
             jnp.asarray(np.broadcast_to(mask, (b, t, t))))
 
@@ -38,6 +38,14 @@ def test_interpret_equals_reference_float32(platform, block, case):
     ref = tree_attention_reference(*args)
     out = tree_attention_pallas(*args, interpret=True, platform=platform, block_size=block)
     np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("case", range(len(CASES)))
+def test_xla_path_equals_reference(case):
+    """The default XLA path (cache part and block part merged) equals one softmax over both."""
+    args = make_inputs(*CASES[case], jnp.float32, seed=case)
+    np.testing.assert_allclose(np.asarray(tree_attention(*args, impl="xla")),
+                               np.asarray(tree_attention_reference(*args)), atol=1e-5, rtol=0)
 
 
 def test_interpret_equals_reference_bfloat16():
