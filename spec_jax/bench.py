@@ -94,7 +94,8 @@ def verify_latency(target, tree_sizes, batch=1, fill=256, repeats=5) -> dict[int
     cfg = target.cfg
     out = {}
     for t in tree_sizes:
-        cache = cache_for(cfg, batch, fill + t + 128)
+        cache = cache_for(cfg, batch, fill + t + 128,
+                          per_layer=isinstance(target.params["layers"], list))
         cache = cache.replace(length=jnp.full((batch,), fill, jnp.int32),
                               valid=cache.valid.at[:, :fill].set(True))
         toks = jnp.zeros((batch, t), jnp.int32)

@@ -108,7 +108,7 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128,
     settings = LoopSettings(max_new_tokens=max_new_tokens, greedy=greedy,
                             eos_ids=target.eos_ids if stop_at_eos else (), attn_impl=attn_impl,
                             accept_rule=accept_rule)
-    cache = cache_for(target.cfg, b, n_slots)
+    cache = cache_for(target.cfg, b, n_slots, per_layer=isinstance(target.params["layers"], list))
     args = (target.params, dparams, jnp.asarray(tokens), jnp.asarray([len(x) for x in ids], jnp.int32),
             cache, jax.random.PRNGKey(seed), jnp.float32(temperature), jnp.float32(top_p))
     dsig = (jax.tree.structure(dparams),

@@ -37,3 +37,13 @@ def test_cache_is_donated_in_place():
     out = f(c, jnp.ones((1, 1, 1, 1, 4)))
     assert c.k.is_deleted()
     assert out.k.unsafe_buffer_pointer() == k_ptr
+
+
+def test_per_layer_cache_commits_like_the_stacked_one():
+    k_new = jnp.arange(3 * 2 * 4 * 2 * 2, dtype=jnp.float32).reshape(3, 2, 4, 2, 2)
+    args = (k_new, -k_new, jnp.zeros((2, 4), jnp.int32), jnp.array([[1, 0], [3, 2]]), jnp.array([2, 1]))
+    stacked = commit(init_cache(3, 2, 8, 2, 2), *args)
+    per_layer = commit(init_cache(3, 2, 8, 2, 2, per_layer=True), *args)
+    assert per_layer.per_layer and per_layer.num_slots == stacked.num_slots == 8
+    np.testing.assert_array_equal(jnp.stack(per_layer.k), stacked.k)
+    np.testing.assert_array_equal(jnp.stack(per_layer.v), stacked.v)

@@ -93,7 +93,7 @@ class FeatureDrafter(Drafter):
 
     def init_state(self, dparams, tparams, tcfg, batch, num_slots):
         cache = init_cache(self.num_modules, batch, num_slots, tcfg.num_kv_heads, tcfg.head_dim,
-                           jnp.dtype(tcfg.dtype))
+                           jnp.dtype(tcfg.dtype), per_layer=True)
         k = self.top_k
         return FeatureState(cache=cache, root_feat=jnp.zeros((batch, tcfg.hidden_size),
                                                              jnp.dtype(tcfg.dtype)),
@@ -105,7 +105,7 @@ class FeatureDrafter(Drafter):
         """Run all modules over committed pairs [B, A] and append them to the draft cache."""
         b, a = next_tok.shape
         count = jnp.sum(valid, axis=1).astype(jnp.int32)
-        empty_k = jnp.zeros((b, 0, tcfg.num_kv_heads, tcfg.head_dim), state.cache.k.dtype)
+        empty_k = jnp.zeros((b, 0, tcfg.num_kv_heads, tcfg.head_dim), state.cache.k[0].dtype)
         own = causal_mask(b, a)
         ks, vs, first_out = [], [], None
         for m in range(self.num_modules):
@@ -163,7 +163,7 @@ class FeatureDrafter(Drafter):
         f_tok, f_score = state.root_tok, state.root_logp
         f_feat = jnp.broadcast_to(state.root_feat[:, None], (b, k, state.root_feat.shape[-1]))
         f_anc = jnp.zeros((b, k, n_buf), bool)
-        buf_k = jnp.zeros((b, n_buf, kvh, hd), state.cache.k.dtype)
+        buf_k = jnp.zeros((b, n_buf, kvh, hd), state.cache.k[0].dtype)
         buf_v = jnp.zeros_like(buf_k)
         eye = jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k))
         rows = jnp.arange(b)[:, None]
@@ -222,7 +222,7 @@ class FeatureDrafter(Drafter):
         expand = [i for i in range(1, t) if np.any(parent == i)]  # node order: depth-contiguous
         slot = {n: j for j, n in enumerate(expand)}
         n_buf = max(len(expand), 1)
-        buf_k = jnp.zeros((b, n_buf, kvh, hd), state.cache.k.dtype)
+        buf_k = jnp.zeros((b, n_buf, kvh, hd), state.cache.k[0].dtype)
         buf_v = jnp.zeros_like(buf_k)
         tokens = [root] + [None] * (t - 1)
         for i in range(1, t):

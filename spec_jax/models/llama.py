@@ -163,7 +163,10 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache, block_m
             x_out, k, v = run_layer(x, lp, kc, vc)
             return x_out, (k, v, x if aux_layers else None)
 
-        x, (k_new, v_new, xs_in) = jax.lax.scan(body, x, (layers, cache.k, cache.v))
+        ck, cv = cache.k, cache.v
+        if cache.per_layer:
+            ck, cv = jnp.stack(ck), jnp.stack(cv)
+        x, (k_new, v_new, xs_in) = jax.lax.scan(body, x, (layers, ck, cv))
     aux = None
     if aux_layers:
         aux = jnp.concatenate([xs_in[i] for i in aux_layers], axis=-1)
