@@ -119,7 +119,11 @@ def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatu
         verdict = verify(fwd.logits, tree, kv, greedy=greedy, max_depth=depth,
                          temperature=temperature, top_p=top_p, accept_rule=settings.accept_rule)
         n_acc = jnp.where(active, verdict.n_accepted, 0)
-        cache = commit(s.cache, fwd.k_new, fwd.v_new, positions, jnp.maximum(verdict.path, 0), n_acc)
+        # The commit writes the cache in place; tie it to the logits so XLA orders it after every
+        # layer's cache read (plain decoding's commit does not depend on them otherwise, and XLA
+        # then copies each cache buffer every step to keep the reads safe).
+        k_new, v_new, _ = jax.lax.optimization_barrier((fwd.k_new, fwd.v_new, fwd.logits))
+        cache = commit(s.cache, k_new, v_new, positions, jnp.maximum(verdict.path, 0), n_acc)
         # emitted tokens: the accepted draft tokens (path[1:]) then the bonus
         a = depth + 1
         j = jnp.arange(a)[None, :]
