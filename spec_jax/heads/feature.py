@@ -94,6 +94,9 @@ class FeatureDrafter(Drafter):
     def init_state(self, dparams, tparams, tcfg, batch, num_slots):
         cache = init_cache(self.num_modules, batch, num_slots, tcfg.num_kv_heads, tcfg.head_dim,
                            jnp.dtype(tcfg.dtype), per_layer=True)
+        # an all-constant empty cache makes XLA constant-fold the prefill's masked attention over
+        # it (seconds of compile time per drafter and prompt shape); the barrier stops the folding
+        cache = jax.lax.optimization_barrier(cache)
         k = self.top_k
         return FeatureState(cache=cache, root_feat=jnp.zeros((batch, tcfg.hidden_size),
                                                              jnp.dtype(tcfg.dtype)),
