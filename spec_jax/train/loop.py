@@ -6,7 +6,9 @@ The target's hidden states are computed once for the whole data set and cached i
 every training step would cost one per step and epoch.
 
 Data order is a pure function of (seed, step), so a run resumed from a checkpoint sees exactly the
-batches an uninterrupted run would, and ends with the same parameters.
+batches an uninterrupted run would, and ends with the same parameters. The last `holdout` share of
+the sequences is never trained on: every `eval_every` steps and at the end, the per-depth top-1
+accuracy of the heads on it (teacher-forced, no input noise) goes into the history as `eval_acc*`.
 """
 from __future__ import annotations
 
@@ -42,6 +44,8 @@ class TrainConfig:
     decay: float = 0.8
     save_every: int = 200
     keep: int = 2
+    holdout: float = 0.05  # share of sequences held out for evaluation (none below 20 sequences)
+    eval_every: int = 100
     hparams: tuple = ()  # extra head hyper-parameters as (key, value) pairs
 
 
@@ -135,6 +139,11 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
                       optax.adamw(sched, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay))
     opt_state = opt.init(trainable)
     loss_fn = make_loss(heads, target.cfg, cfg)
+    eval_loss = make_loss(heads, target.cfg, dataclasses.replace(cfg, noise=0.0))
+
+    @jax.jit
+    def eval_fn(trainable, batch):
+        return eval_loss({**trainable, **frozen}, target.params, batch, jax.random.PRNGKey(0))[1]
 
     @jax.jit
     def step_fn(trainable, opt_state, batch, key):
@@ -159,7 +168,21 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
         elif not resume and mngr.latest_step() is not None:
             raise SpecJaxError(f"{ckpt_dir} already holds checkpoints: pass --resume to continue, "
                                "or choose another --out")
-    n = len(data["tokens"])
+    total = len(data["tokens"])
+    n_eval = max(1, int(total * cfg.holdout)) if total >= 20 and cfg.holdout > 0 else 0
+    n = total - n_eval  # the last n_eval sequences are held out
+
+    def evaluate(trainable):
+        """Teacher-forced top-1 accuracy per draft depth on the held-out sequences."""
+        sums, count = {}, 0
+        for i in range(n, total, cfg.batch_size):
+            idx = np.arange(i, min(i + cfg.batch_size, total))
+            m = eval_fn(trainable, {k: jnp.asarray(v[idx]) for k, v in data.items() if v is not None})
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v) * len(idx)
+            count += len(idx)
+        return {f"eval_{k}": v / count for k, v in sums.items()}
+
     history = []
     from tqdm import tqdm
 
@@ -172,12 +195,18 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
         key = jax.random.fold_in(jax.random.PRNGKey(cfg.seed), step)
         trainable, opt_state, metrics = step_fn(trainable, opt_state, batch, key)
         toks_seen += int(data["mask"][idx].sum())
-        if step % 10 == 0 or step == end - 1:
+        do_eval = n_eval and ((step + 1) % cfg.eval_every == 0 or step == end - 1)
+        if step % 10 == 0 or step == end - 1 or do_eval:
             m = {k: float(v) for k, v in metrics.items()}
+            if do_eval:
+                m.update(evaluate(trainable))
             history.append({"step": step + 1, **m})
-            bar.set_postfix(loss=f"{m['loss']:.3f}",
-                            acc=",".join(f"{m[k]:.2f}" for k in sorted(m) if k.startswith("acc")),
-                            tok_s=f"{toks_seen / (time.time() - t0):.0f}")
+            post = dict(loss=f"{m['loss']:.3f}",
+                        acc=",".join(f"{m[k]:.2f}" for k in sorted(m) if k.startswith("acc")),
+                        tok_s=f"{toks_seen / (time.time() - t0):.0f}")
+            if "eval_acc1" in m:
+                post["eval_acc"] = ",".join(f"{m[k]:.2f}" for k in sorted(m) if k.startswith("eval_acc"))
+            bar.set_postfix(**post)
         bar.update(1)
         if mngr is not None and ((step + 1) % cfg.save_every == 0 or step + 1 == end):
             mngr.save(step + 1, args=ocp.args.StandardSave({"params": trainable, "opt_state": opt_state}))
