@@ -88,14 +88,12 @@ def verify_latency(target, tree_sizes, batch=1, fill=256, repeats=5) -> dict[int
     import jax
     import jax.numpy as jnp
 
-    from spec_jax.cache import cache_for
     from spec_jax.models.llama import causal_mask, forward
 
     cfg = target.cfg
     out = {}
     for t in tree_sizes:
-        cache = cache_for(cfg, batch, fill + t + 128,
-                          per_layer=isinstance(target.params["layers"], list))
+        cache = target.new_cache(batch, fill + t + 128)
         cache = cache.replace(length=jnp.full((batch,), fill, jnp.int32),
                               valid=cache.valid.at[:, :fill].set(True))
         toks = jnp.zeros((batch, t), jnp.int32)
@@ -236,24 +234,14 @@ def calibrate_tree(target, heads, prompts, max_new_tokens=64, batch=1, candidate
         c = cached[key]
         return tuple(c["best"]), c["curve"]
     curve = []
-    # plain decoding is a candidate too: on hardware where verifying a tree costs much more than
-    # one token, or for heads that accept little, the best "tree" is no speculation at all
-    spec_jax.generate(target, prompts[0].text, 8)
-    tok = wall = 0.0
-    for p in prompts:
-        r = spec_jax.generate(target, p.text, max_new_tokens)
-        tok += r.stats["new_tokens"]
-        wall += r.stats["wall_seconds"]
-    curve.append({"top_k": 0, "depth": 0, "total_tokens": 1, "tokens_per_second": tok / wall,
-                  "tau": 1.0})
-    if progress:
-        print(f"  plain decoding: {tok / wall:.1f} tok/s", flush=True)
-    for k, d, n in candidates:
-        tree = {"top_k": k, "depth": d, "total_tokens": n}
-        spec_jax.generate(target, prompts[0].text, 8, draft=heads, tree=tree)  # compile
+    # plain decoding (0, 0, 1) is a candidate too: on hardware where verifying a tree costs much
+    # more than one token, or for heads that accept little, the best "tree" is no speculation
+    for k, d, n in [(0, 0, 1)] + list(candidates):
+        kw = {"draft": heads, "tree": {"top_k": k, "depth": d, "total_tokens": n}} if n > 1 else {}
+        spec_jax.generate(target, prompts[0].text, 8, **kw)  # compile
         tok, wall, steps = 0, 0.0, 0
         for p in prompts:
-            r = spec_jax.generate(target, p.text, max_new_tokens, draft=heads, tree=tree)
+            r = spec_jax.generate(target, p.text, max_new_tokens, **kw)
             tok += r.stats["new_tokens"]
             wall += r.stats["wall_seconds"]
             steps += sum(r.stats["acceptance_histogram"])
@@ -261,8 +249,8 @@ def calibrate_tree(target, heads, prompts, max_new_tokens=64, batch=1, candidate
                "tau": (tok - len(prompts)) / max(steps, 1)}
         curve.append(row)
         if progress:
-            print(f"  tree k={k} d={d} n={n}: tau {row['tau']:.2f}, {row['tokens_per_second']:.1f} tok/s",
-                  flush=True)
+            what = f"tree k={k} d={d} n={n}" if n > 1 else "plain decoding"
+            print(f"  {what}: tau {row['tau']:.2f}, {row['tokens_per_second']:.1f} tok/s", flush=True)
     best = max(curve, key=lambda r: r["tokens_per_second"])
     best_t = (best["top_k"], best["depth"], best["total_tokens"])
     cached[key] = {"best": best_t, "curve": curve}

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from spec_jax.cache import cache_for
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter
 from spec_jax.step import FINISH_LENGTH, FINISH_STOP, LoopSettings, compiled_loop
@@ -108,7 +107,7 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128,
     settings = LoopSettings(max_new_tokens=max_new_tokens, greedy=greedy,
                             eos_ids=target.eos_ids if stop_at_eos else (), attn_impl=attn_impl,
                             accept_rule=accept_rule)
-    cache = cache_for(target.cfg, b, n_slots, per_layer=isinstance(target.params["layers"], list))
+    cache = target.new_cache(b, n_slots)
     args = (target.params, dparams, jnp.asarray(tokens), jnp.asarray([len(x) for x in ids], jnp.int32),
             cache, jax.random.PRNGKey(seed), jnp.float32(temperature), jnp.float32(top_p))
     dsig = (jax.tree.structure(dparams),

@@ -58,16 +58,22 @@ class Target:
             return " ".join(map(str, ids))
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    def new_cache(self, batch: int, num_slots: int):
+        """An empty KV cache laid out like the parameters: per-layer buffers for unrolled layers."""
+        from spec_jax.cache import cache_for
+
+        return cache_for(self.cfg, batch, num_slots,
+                         per_layer=isinstance(self.params["layers"], (list, tuple)))
+
     def logits(self, token_ids: Sequence[int]) -> np.ndarray:
         """Full-sequence logits [T, V] (float32) for one sequence; used by parity checks."""
-        from spec_jax.cache import cache_for
         from spec_jax.models.llama import causal_mask, forward
 
         ids = jnp.asarray(np.asarray(token_ids, np.int32)[None])
         t = ids.shape[1]
         out = jax.jit(forward, static_argnums=1, static_argnames="return_logits")(
             self.params, self.cfg, ids, jnp.arange(t, dtype=jnp.int32)[None],
-            cache_for(self.cfg, 1, 8), causal_mask(1, t))
+            self.new_cache(1, 8), causal_mask(1, t))
         return np.asarray(out.logits[0], np.float32)
 
     def fingerprint(self) -> str:

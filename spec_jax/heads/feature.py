@@ -219,7 +219,7 @@ class FeatureDrafter(Drafter):
     def _propose_static(self, dparams, tparams, tcfg, state: FeatureState, root) -> Tree:
         """Expand the static tree depth by depth: one draft call per depth over the nodes of the
         previous depth that have children; their K/V go to a per-step buffer (slot per node)."""
-        parent, depth, rank, _, _, _ = self.static_tree.arrays()
+        parent, depth, rank, mask, _, _ = self.static_tree.arrays()
         t, b = len(parent), root.shape[0]
         kvh, hd = tcfg.num_kv_heads, tcfg.head_dim
         expand = [i for i in range(1, t) if np.any(parent == i)]  # node order: depth-contiguous
@@ -237,12 +237,8 @@ class FeatureDrafter(Drafter):
             run = [i for i in expand if depth[i] == d - 1]
             feat = jnp.stack([state.root_feat if parent[i] == 0 else out_of[parent[i]] for i in run], 1)
             tok = jnp.stack([tokens[i] for i in run], 1)
-            anc = np.zeros((len(run), n_buf), bool)
-            for r, i in enumerate(run):
-                a = parent[i]
-                while a > 0:
-                    anc[r, slot[a]] = True
-                    a = parent[a]
+            anc = mask[np.ix_(run, expand)]  # ancestors-or-self among the buffered nodes
+            anc[np.arange(len(run)), [slot[i] for i in run]] = False  # a node's own K/V is `own`
             positions = root_pos[:, None] + (d - 2) + jnp.zeros((1, len(run)), jnp.int32)
             out, kk, vv = self._attend_cell(
                 dparams, tparams, tcfg, (d - 1) % self.num_modules, feat, tok, positions,
