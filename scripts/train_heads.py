@@ -23,6 +23,8 @@ def main():
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--resume", action="store_true")
     a = ap.parse_args()
     target = spec_jax.load_target(a.model)
     seqs, plens, manifest = load_distill(a.data)
@@ -32,9 +34,10 @@ def main():
     for m in a.methods:
         data = {"tokens": toks, "mask": mask, "feats": feats, "aux": aux if m == "eagle3" else None}
         cfg = TrainConfig(method=m, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len,
-                          lr=LR[m])
+                          lr=LR[m], draft_vocab=a.draft_vocab)
         out = Path(a.model).parent / f"{Path(a.model).name}-{m}"
-        heads, hist = train(target, data, cfg, out_dir=out, ckpt_dir=Path("/tmp") / f"ckpt-{m}")
+        heads, hist = train(target, data, cfg, out_dir=out, ckpt_dir=Path("/tmp") / f"ckpt-{m}",
+                           resume=a.resume)
         (out / "train_log.json").write_text(json.dumps({"manifest": manifest, "history": hist},
                                                        indent=1))
         print(f"{m}: {hist[-1]} -> {out}", flush=True)

@@ -173,6 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--batch-size", type=int, default=8)
     t.add_argument("--seq-len", type=int, default=256)
     t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--draft-vocab", type=int, default=8192,
+                   help="propose from the N most frequent response tokens (0: full vocabulary)")
     t.add_argument("--resume", action="store_true")
     t.add_argument("--force", action="store_true")
     t.add_argument("--seed", type=int, default=0)

@@ -43,7 +43,7 @@ def resolve_drafter(target: Target, draft, tree) -> tuple[Drafter, Any]:
         if tree in (None, "auto") and draft.method in ("eagle", "eagle3"):
             tree = calibrated_tree(target, draft.method) or tree
         drafter = draft.drafter(tree)
-        return drafter, (() if type(drafter) is Drafter else draft.params)
+        return drafter, (() if type(drafter) is Drafter else draft.bind(target))
     raise SpecJaxError(f"unknown draft {draft!r}: pass 'ngram', heads from spec_jax.init_draft / "
                        "spec_jax.load_draft, or None for plain decoding")
 

@@ -22,6 +22,40 @@ def heads(tiny_target):
             for m in SMALL_TREES}
 
 
+@pytest.mark.parametrize("method", ["eagle", "medusa", "mtp"])
+def test_draft_vocabulary_stays_lossless_and_proposes_only_its_tokens(tiny_target, method):
+    """Heads over the target's LM head restricted to a draft vocabulary (even ids): every drafted
+    token is in it, the bound slice drafts what the in-step gather does, and output is plain's."""
+    import jax
+    import jax.numpy as jnp
+
+    from spec_jax.heads.vocab import bind_target
+
+    kw = {"mtp": {"depth": 3}}.get(method, {})
+    h = spec_jax.init_draft(tiny_target, method, seed=7, scale=0.3, d2t=np.arange(0, 64, 2), **kw)
+    assert h.hparams["draft_vocab"] == 32 and "d2t" not in h.hparams
+    bound = bind_target(h.params, tiny_target.params, tiny_target.cfg)
+    assert bound["lm_sub"].shape == (tiny_target.cfg.hidden_size, 32)
+    d = h.drafter()
+    cfg, tp = tiny_target.cfg, tiny_target.params
+    hidden = jax.random.normal(jax.random.PRNGKey(1), (2, 5, cfg.hidden_size))
+    for p in (h.params, bound):  # unbound (gather in the step) and bound give the same logits
+        if method == "medusa":
+            out = d.propose(p, tp, cfg, d.init_state(p, tp, cfg, 2, 8).replace(hidden=hidden[:, 0]),
+                            jnp.asarray([1, 2]), None)[0].tokens[:, 1:]
+        else:
+            _, out = d.logp_topk(p, tp, cfg, hidden, 4)
+        assert np.all(np.asarray(out) % 2 == 0), out
+        if p is h.params:
+            first = out
+    np.testing.assert_array_equal(first, out)
+    for seed, plen in [(0, 3), (1, 40)]:
+        prompt = list(np.random.RandomState(seed).randint(0, 64, plen))
+        plain = spec_jax.generate(tiny_target, prompt, 20, stop_at_eos=False)
+        spec = spec_jax.generate(tiny_target, prompt, 20, draft=h, stop_at_eos=False)
+        assert spec.token_ids == plain.token_ids, (method, seed)
+
+
 @pytest.mark.parametrize("method,tree", [(m, t) for m, ts in SMALL_TREES.items() for t in ts]
                          + [("ngram", None)])
 def test_greedy_speculative_equals_plain(tiny_target, heads, method, tree):

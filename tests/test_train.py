@@ -49,7 +49,7 @@ def mean_tau(target, prompts, heads):
 
 HP = {"eagle": {"top_k": 2, "depth": 3, "total_tokens": 6},
       "eagle3": {"top_k": 2, "depth": 3, "total_tokens": 6, "draft_vocab": 24},
-      "medusa": {"num_heads": 3}, "mtp": {"depth": 2}}
+      "medusa": {"num_heads": 3, "draft_vocab": 30}, "mtp": {"depth": 2, "draft_vocab": 30}}
 
 
 @pytest.mark.parametrize("method", ["eagle", "eagle3", "medusa", "mtp"])

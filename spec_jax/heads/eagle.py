@@ -1,5 +1,6 @@
 """EAGLE-1/2 head: fc(concat(embed(token), feature)) 2H->H, one Llama decoder layer without its
-input norm, then the target's frozen final norm and LM head. EAGLE-2 = this head + dynamic tree."""
+input norm, then the target's frozen final norm and LM head (over the draft vocabulary if the
+heads have one, see spec_jax.heads.vocab). EAGLE-2 = this head + dynamic tree."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from spec_jax.heads.feature import FeatureDrafter, draft_attention
-from spec_jax.models.llama import decoder_layer, embed, lm_head, rope_inv_freq
+from spec_jax.models.llama import decoder_layer, embed, rope_inv_freq
 
 
 def init_layer(cfg, key, scale, in_dim=None, input_norm=True):
@@ -36,13 +37,6 @@ def init_params(cfg, key, scale=0.02):
             "layer": init_layer(cfg, k2, scale, input_norm=False)}
 
 
-def full_vocab_topk(tparams, tcfg, feat, k):
-    logits = lm_head(tparams, tcfg, feat)
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    v, i = jax.lax.top_k(logp, k)
-    return v, i.astype(jnp.int32)
-
-
 @dataclasses.dataclass(frozen=True)
 class EagleDrafter(FeatureDrafter):
     method: str = "eagle"
@@ -59,6 +53,3 @@ class EagleDrafter(FeatureDrafter):
         out, k, v = decoder_layer(dparams["layer"], tcfg, x, positions, rope_inv_freq(tcfg), attend,
                                   input_norm=False)
         return out, k, v
-
-    def logp_topk(self, dparams, tparams, tcfg, feat, k):
-        return full_vocab_topk(tparams, tcfg, feat, k)

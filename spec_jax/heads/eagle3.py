@@ -12,6 +12,7 @@ import jax.numpy as jnp
 
 from spec_jax.heads.eagle import init_layer
 from spec_jax.heads.feature import FeatureDrafter, draft_attention
+from spec_jax.heads.vocab import vocab_maps
 from spec_jax.models.llama import apply_rope, embed, rms_norm, rope_inv_freq
 
 
@@ -22,14 +23,10 @@ def init_params(cfg, key, scale=0.02, draft_vocab: int | None = None, d2t=None):
     dt = jnp.dtype(cfg.dtype)
     layer = init_layer(cfg, ks[1], scale, in_dim=2 * h, input_norm=False)
     layer.update(input_norm=jnp.ones((h,), dt), hidden_norm=jnp.ones((h,), dt))
-    if d2t is None:
-        d2t = jnp.arange(vd, dtype=jnp.int32)
-    d2t = jnp.asarray(d2t, jnp.int32)
-    t2d = jnp.full((cfg.vocab_size,), -1, jnp.int32).at[d2t].set(jnp.arange(vd, dtype=jnp.int32))
     return {"fc_w": (scale * jax.random.normal(ks[0], (3 * h, h))).astype(dt),
             "layer": layer, "norm": jnp.ones((h,), dt),
             "lm_head": (scale * jax.random.normal(ks[2], (h, vd))).astype(dt),
-            "d2t": d2t, "t2d": t2d}
+            **vocab_maps(jnp.arange(vd) if d2t is None else d2t, cfg.vocab_size)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +60,6 @@ class Eagle3Drafter(FeatureDrafter):
         x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
         return x, k, v
 
-    def logp_topk(self, dparams, tparams, tcfg, feat, k):
+    def logits(self, dparams, tparams, tcfg, feat):
         h = rms_norm(feat, dparams["norm"], tcfg.rms_norm_eps)
-        logits = jnp.dot(h, dparams["lm_head"], preferred_element_type=jnp.float32)
-        logp = jax.nn.log_softmax(logits, axis=-1)
-        v, i = jax.lax.top_k(logp, k)
-        return v, dparams["d2t"][i]
+        return jnp.dot(h, dparams["lm_head"], preferred_element_type=jnp.float32)

@@ -25,6 +25,7 @@ import numpy as np
 
 from spec_jax.cache import KVCache, commit, init_cache
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext, accepted_chunk
+from spec_jax.heads.vocab import shared_head_logits, topk_logp
 from spec_jax.models.llama import causal_mask, embed
 from spec_jax.tree import StaticTree, Tree, ancestor_mask, children_table, static_tree_batch
 
@@ -57,9 +58,13 @@ class FeatureDrafter(Drafter):
         """One draft step: returns (out_feature [B,T,H], k [B,T,KVH,D], v [B,T,KVH,D])."""
         raise NotImplementedError
 
+    def logits(self, dparams, tparams, tcfg, feat):
+        """Draft features [B, N, H] -> float32 logits over the draft vocabulary [B, N, Vd]."""
+        return shared_head_logits(dparams, tparams, tcfg, feat)
+
     def logp_topk(self, dparams, tparams, tcfg, feat, k):
         """Top-k children of draft features [B, N, H]: (logp [B,N,k], target token ids [B,N,k])."""
-        raise NotImplementedError
+        return topk_logp(self.logits(dparams, tparams, tcfg, feat), dparams, k)
 
     # ---- shared machinery ----
     def for_tree(self, tree: StaticTree):

@@ -4,7 +4,7 @@ tree whose node at depth d with rank r takes the r-th best token of head d-1.
 
 By default every head reads through the target's frozen LM head (`shared_lm_head`); K separate
 vocab-sized heads cost K times the LM head's memory traffic per step, which a small target on a
-CPU cannot afford. Pass own heads (`lm_heads` [K, H, V]) to match the paper exactly."""
+CPU cannot afford; a draft vocabulary (spec_jax.heads.vocab) cuts that read further. Pass own heads (`lm_heads` [K, H, V]) to match the paper exactly."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,6 +15,7 @@ import jax.numpy as jnp
 
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
+from spec_jax.heads.vocab import shared_head_weight, to_target_ids
 from spec_jax.models.llama import rms_norm
 from spec_jax.tree import MEDUSA_DEFAULT, StaticTree, static_tree_batch
 
@@ -36,13 +37,13 @@ class MedusaState:
 
 
 def medusa_logits(dparams, tparams, tcfg, hidden):
-    """hidden [B, H] -> per-head logits [B, K, V] (float32)."""
+    """hidden [B, H] -> per-head logits [B, K, Vd] (float32; Vd = V without a draft vocabulary)."""
     h = rms_norm(hidden, tparams["final_norm"], tcfg.rms_norm_eps)[:, None, :]  # [B, 1, H]
     z = h + jax.nn.silu(jnp.einsum("bxh,khd->bkd", h, dparams["w"]) + dparams["b"])
     if "lm_heads" in dparams:
         return jnp.einsum("bkh,khv->bkv", z, dparams["lm_heads"], preferred_element_type=jnp.float32)
-    w = tparams["embed"].T if tcfg.tie_word_embeddings else tparams["lm_head"]
-    return jnp.dot(z, w, preferred_element_type=jnp.float32)
+    w = shared_head_weight(dparams, tparams, tcfg)  # over the draft vocabulary, if any
+    return jnp.dot(z, w.astype(z.dtype), preferred_element_type=jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +88,6 @@ class MedusaDrafter(Drafter):
         r = int(rank.max()) + 1
         _, top = jax.lax.top_k(logits, r)  # [B, K, r]
         head = jnp.asarray(depth[1:] - 1)
-        tok = top[:, head, jnp.asarray(rank[1:])]  # [B, T-1]
+        tok = to_target_ids(dparams, top[:, head, jnp.asarray(rank[1:])])  # [B, T-1]
         tokens = jnp.concatenate([root[:, None], tok.astype(jnp.int32)], axis=1)
         return static_tree_batch(self.tree, tokens, b), state

@@ -8,7 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from spec_jax.heads.eagle import full_vocab_topk, init_layer
+from spec_jax.heads.eagle import init_layer
 from spec_jax.heads.feature import FeatureDrafter, draft_attention
 from spec_jax.models.llama import decoder_layer, embed, rms_norm, rope_inv_freq
 
@@ -41,6 +41,3 @@ class MtpDrafter(FeatureDrafter):
                                    extra_mask, k, v, own_mask, self.attn_impl)
 
         return decoder_layer(mp["layer"], tcfg, x, positions, rope_inv_freq(tcfg), attend)
-
-    def logp_topk(self, dparams, tparams, tcfg, feat, k):
-        return full_vocab_topk(tparams, tcfg, feat, k)

@@ -45,6 +45,12 @@ class DraftHeads:
                 f"heads {[mine[k] for k in bad]} vs target {[theirs[k] for k in bad]}); "
                 "train heads for this target with `spec-jax train`")
 
+    def bind(self, target):
+        """Params ready to run on `target` (adds what derives from it, see heads.vocab)."""
+        from spec_jax.heads.vocab import bind_target
+
+        return bind_target(self.params, target.params, target.cfg)
+
     def drafter(self, tree=None):
         """The Drafter for these heads; `tree` overrides the tree (see spec_jax.tree.parse_tree)."""
         hp = dict(self.hparams)
@@ -120,16 +126,24 @@ def init_draft(target, method: str, seed: int = 0, scale: float = 0.02, **hparam
         from spec_jax.heads.mtp import init_params
 
         params = init_params(cfg, key, scale, num_modules=hp["num_modules"])
+    if method != "eagle3" and hp.get("d2t") is not None:  # a draft vocabulary over the target's head
+        from spec_jax.heads.vocab import vocab_maps
+
+        d2t = hp.pop("d2t")
+        hp["draft_vocab"] = len(d2t)
+        params.update(vocab_maps(d2t, cfg.vocab_size))
+    hp.pop("d2t", None)
     return DraftHeads(method=method, params=params, hparams=hp, target_info=target_identity(target),
                       tcfg=cfg)
 
 
 def save_draft(heads: DraftHeads, out_dir, force: bool = False) -> Path:
+    from spec_jax.heads.vocab import DERIVED
     from spec_jax.io import atomic_dir, save_params
 
     out_dir = Path(out_dir)
     with atomic_dir(out_dir, force=force) as tmp:
-        save_params(tmp / "params", heads.params)
+        save_params(tmp / "params", {k: v for k, v in heads.params.items() if k not in DERIVED})
         (tmp / "spec_jax.json").write_text(json.dumps(
             {"kind": "draft", "method": heads.method, "hparams": heads.hparams,
              "target": heads.target_info}, indent=2))

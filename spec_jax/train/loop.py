@@ -25,6 +25,7 @@ import optax
 
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.registry import DraftHeads, init_draft, save_draft
+from spec_jax.heads.vocab import DERIVED, frequent_tokens
 from spec_jax.train import losses
 
 
@@ -46,10 +47,11 @@ class TrainConfig:
     keep: int = 2
     holdout: float = 0.05  # share of sequences held out for evaluation (none below 20 sequences)
     eval_every: int = 100
+    draft_vocab: int = 8192  # propose from the most frequent response tokens (0: full vocabulary)
     hparams: tuple = ()  # extra head hyper-parameters as (key, value) pairs
 
 
-NON_TRAINABLE = ("d2t", "t2d")
+NON_TRAINABLE = ("d2t", "t2d") + DERIVED
 
 
 def split_params(params):
@@ -96,13 +98,6 @@ def batch_indices(n: int, batch: int, step: int, seed: int) -> np.ndarray:
     return perm[k * batch:(k + 1) * batch]
 
 
-def draft_vocab(toks, mask, size, vocab):
-    """The `size` most frequent target tokens of the training responses (EAGLE-3's draft vocab)."""
-    counts = np.bincount(toks[mask > 0].ravel(), minlength=vocab)
-    order = np.argsort(-counts, kind="stable")[:size]
-    return np.sort(order).astype(np.int32)
-
-
 def make_loss(heads: DraftHeads, tcfg, cfg: TrainConfig):
     method = heads.method
     if method == "medusa":
@@ -125,13 +120,13 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
     import orbax.checkpoint as ocp
 
     extra = dict(cfg.hparams)
-    if cfg.method == "eagle3":
-        vocab = draft_vocab(data["tokens"], data["mask"], extra.get("draft_vocab", 8192),
-                            target.cfg.vocab_size)
+    v = target.cfg.vocab_size
+    size = extra.get("draft_vocab", cfg.draft_vocab) or v
+    if cfg.method == "eagle3" or size < v:  # EAGLE-3's own LM head always has a draft vocabulary
+        vocab = frequent_tokens(data["tokens"], data["mask"], min(size, v), v)
         extra.update(draft_vocab=len(vocab), d2t=vocab)
     heads = init_draft(target, cfg.method, seed=cfg.seed, **extra)
-    if "d2t" in heads.hparams:
-        heads.hparams.pop("d2t")
+    heads.params = heads.bind(target)
     trainable, frozen = split_params(heads.params)
     sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1),
                                                cfg.lr * 0.05)
@@ -240,7 +235,7 @@ def train_cli(a):
     toks, mask, feats, aux = feature_cache(target, seqs, plens, a.seq_len, aux_layers)
     print(f"feature cache: {len(toks)} sequences x {a.seq_len} tokens in {time.time() - t0:.1f}s")
     cfg = TrainConfig(method=a.method, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len,
-                      lr=a.lr, seed=a.seed)
+                      lr=a.lr, seed=a.seed, draft_vocab=a.draft_vocab)
     heads, hist = train(target, {"tokens": toks, "mask": mask, "feats": feats, "aux": aux}, cfg,
                         out_dir=out, ckpt_dir=out.parent / f".{out.name}.ckpt", resume=a.resume)
     (out / "train_log.json").write_text(json.dumps({"manifest": manifest, "history": hist}, indent=1))

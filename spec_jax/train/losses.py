@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from spec_jax.models.llama import lm_head
+from spec_jax.heads.vocab import to_draft_labels
 
 
 def _shift(x, i, fill=0):
@@ -27,11 +27,14 @@ def _shift(x, i, fill=0):
     return jnp.concatenate([x[:, i:], pad], axis=1)
 
 
-def _ce(logits, labels, mask):
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-    acc = (jnp.argmax(logits, -1) == labels).astype(jnp.float32)
-    den = jnp.maximum(mask.sum(), 1.0)
-    return (ce * mask).sum() / den, (acc * mask).sum() / den
+def _ce(logits, labels, mask, dparams):
+    """Mean cross-entropy over draft-vocabulary labels and top-1 accuracy over all labels (a token
+    outside the draft vocabulary counts as a miss): logits [..., Vd], target-id labels [...]."""
+    d_labels, in_vocab = to_draft_labels(dparams, labels, mask)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, d_labels)
+    acc = (jnp.argmax(logits, -1) == d_labels).astype(jnp.float32) * in_vocab
+    return (ce * in_vocab).sum() / jnp.maximum(in_vocab.sum(), 1.0), acc.sum() / jnp.maximum(
+        mask.sum(), 1.0)
 
 
 def feature_unrolled(drafter, dparams, tparams, tcfg, batch, steps: int, key, noise: float,
@@ -80,9 +83,7 @@ def feature_unrolled(drafter, dparams, tparams, tcfg, batch, steps: int, key, no
         # step i at position j predicts the token j + i + 2, where the data has one
         labels = _shift(toks, i + 2)
         valid = _shift(mask, i + 2) * (jnp.arange(l)[None] < l - i - 2)
-        logits = drafter_logits(drafter, dparams, tparams, tcfg, feat)
-        labels, valid = map_labels(drafter, dparams, labels, valid)
-        ce, acc = _ce(logits, labels, valid)
+        ce, acc = _ce(drafter.logits(dparams, tparams, tcfg, feat), labels, valid, dparams)
         w = decay ** i
         total = total + w * ce_weight * ce
         metrics[f"acc{i + 1}"] = acc
@@ -93,24 +94,6 @@ def feature_unrolled(drafter, dparams, tparams, tcfg, batch, steps: int, key, no
             total = total + feat_loss_weight * (fl * fmask).sum() / jnp.maximum(fmask.sum(), 1.0)
     metrics["loss"] = total
     return total, metrics
-
-
-def drafter_logits(drafter, dparams, tparams, tcfg, feat):
-    if drafter.method == "eagle3":
-        from spec_jax.models.llama import rms_norm
-
-        h = rms_norm(feat, dparams["norm"], tcfg.rms_norm_eps)
-        return jnp.dot(h, dparams["lm_head"], preferred_element_type=jnp.float32)
-    return lm_head(tparams, tcfg, feat)
-
-
-def map_labels(drafter, dparams, labels, valid):
-    """EAGLE-3 predicts over its draft vocabulary: map target ids, masking tokens outside it."""
-    if drafter.method != "eagle3":
-        return labels, valid
-    t2d = dparams["t2d"]
-    d = t2d[labels]
-    return jnp.maximum(d, 0), valid * (d >= 0)
 
 
 def medusa_loss(dparams, tparams, tcfg, batch, num_heads: int, decay: float):
@@ -124,7 +107,7 @@ def medusa_loss(dparams, tparams, tcfg, batch, num_heads: int, decay: float):
     for k in range(num_heads):
         labels = _shift(toks, k + 2)
         valid = _shift(mask, k + 2) * (jnp.arange(l)[None] < l - k - 2)
-        ce, acc = _ce(logits[:, :, k], labels, valid)
+        ce, acc = _ce(logits[:, :, k], labels, valid, dparams)
         total = total + decay ** k * ce
         metrics[f"acc{k + 1}"] = acc
     metrics["loss"] = total
