@@ -217,17 +217,22 @@ def tree_cache_file() -> Path:
     return cache_dir() / "trees.json"
 
 
+def calibration_key(target, heads, batch: int) -> str:
+    import jax
+
+    return (f"{jax.devices()[0].device_kind}|{target.fingerprint()}|{heads.method}:"
+            f"{heads.fingerprint()}|{batch}")
+
+
 def calibrate_tree(target, heads, prompts, max_new_tokens=64, batch=1, candidates=CANDIDATE_TREES,
                    use_cache=True, progress=True):
     """Measure tokens/s of each candidate dynamic tree on calibration prompts; return the best.
 
-    Returns (best (top_k, depth, total), curve: list of dicts). Cached per device kind, model
-    fingerprint, head method and batch size."""
-    import jax
-
+    Returns (best (top_k, depth, total), curve: list of dicts). Cached per device kind, model,
+    heads (method and fingerprint) and batch size. prompts: Prompt records, strings or id lists."""
     import spec_jax
 
-    key = f"{jax.devices()[0].device_kind}|{target.fingerprint()}|{heads.method}|{batch}"
+    key = calibration_key(target, heads, batch)
     cache_f = tree_cache_file()
     cached = json.loads(cache_f.read_text()) if cache_f.is_file() else {}
     if use_cache and key in cached:
@@ -236,12 +241,13 @@ def calibrate_tree(target, heads, prompts, max_new_tokens=64, batch=1, candidate
     curve = []
     # plain decoding (0, 0, 1) is a candidate too: on hardware where verifying a tree costs much
     # more than one token, or for heads that accept little, the best "tree" is no speculation
+    prompts = [getattr(p, "text", p) for p in prompts]
     for k, d, n in [(0, 0, 1)] + list(candidates):
         kw = {"draft": heads, "tree": {"top_k": k, "depth": d, "total_tokens": n}} if n > 1 else {}
-        spec_jax.generate(target, prompts[0].text, 8, **kw)  # compile
+        spec_jax.generate(target, prompts[0], 8, **kw)  # compile
         tok, wall, steps = 0, 0.0, 0
         for p in prompts:
-            r = spec_jax.generate(target, p.text, max_new_tokens, **kw)
+            r = spec_jax.generate(target, p, max_new_tokens, **kw)
             tok += r.stats["new_tokens"]
             wall += r.stats["wall_seconds"]
             steps += sum(r.stats["acceptance_histogram"])

@@ -41,24 +41,23 @@ def resolve_drafter(target: Target, draft, tree) -> tuple[Drafter, Any]:
     if isinstance(draft, DraftHeads):
         draft.check_target(target)
         if tree in (None, "auto") and draft.method in ("eagle", "eagle3"):
-            tree = calibrated_tree(target, draft.method) or tree
+            tree = calibrated_tree(target, draft) or tree
         drafter = draft.drafter(tree)
         return drafter, (() if type(drafter) is Drafter else draft.bind(target))
     raise SpecJaxError(f"unknown draft {draft!r}: pass 'ngram', heads from spec_jax.init_draft / "
                        "spec_jax.load_draft, or None for plain decoding")
 
 
-def calibrated_tree(target: Target, method: str, batch: int = 1):
-    """The tree `spec-jax bench --calibrate` chose for this device, model, method and batch."""
+def calibrated_tree(target: Target, heads, batch: int = 1):
+    """The tree `spec-jax bench --calibrate` chose for this device, model, heads and batch."""
     import json
 
-    from spec_jax.bench import tree_cache_file
+    from spec_jax.bench import calibration_key, tree_cache_file
 
     f = tree_cache_file()
     if not f.is_file():
         return None
-    key = f"{jax.devices()[0].device_kind}|{target.fingerprint()}|{method}|{batch}"
-    entry = json.loads(f.read_text()).get(key)
+    entry = json.loads(f.read_text()).get(calibration_key(target, heads, batch))
     return {"top_k": entry["best"][0], "depth": entry["best"][1],
             "total_tokens": entry["best"][2]} if entry else None
 

@@ -33,3 +33,20 @@ def test_method_histograms_sum_runs_and_skip_plain():
             Run("eagle", "mt", "w", 9, 4, 1.0, 0.0, 8, (1, 2, 1)),
             Run("eagle", "mt", "c", 9, 3, 1.0, 0.0, 8, (0, 1, 1, 1))]
     assert method_histograms(runs) == {"eagle": [1, 3, 2, 1]}
+
+
+def test_calibrated_tree_is_cached_per_heads(tiny_target, tmp_path, monkeypatch):
+    """Calibration picks one of its candidates and caches it for these heads only: other heads of
+    the same method (retrained, say) are not given a tree measured for different weights."""
+    import spec_jax
+    from spec_jax.bench import calibrate_tree
+    from spec_jax.generate import calibrated_tree
+
+    monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
+    heads = spec_jax.init_draft(tiny_target, "eagle", seed=1, scale=0.3)
+    other = spec_jax.init_draft(tiny_target, "eagle", seed=2, scale=0.3)
+    best, curve = calibrate_tree(tiny_target, heads, [[1, 2, 3, 4]], max_new_tokens=8,
+                                 candidates=[(2, 2, 4)], progress=False)
+    assert best in [(0, 0, 1), (2, 2, 4)] and len(curve) == 2
+    assert calibrated_tree(tiny_target, heads) == dict(zip(("top_k", "depth", "total_tokens"), best))
+    assert calibrated_tree(tiny_target, other) is None

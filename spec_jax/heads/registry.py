@@ -45,6 +45,18 @@ class DraftHeads:
                 f"heads {[mine[k] for k in bad]} vs target {[theirs[k] for k in bad]}); "
                 "train heads for this target with `spec-jax train`")
 
+    def fingerprint(self) -> str:
+        """A short hash of the method, hyper-parameters and weights (keys the tree calibration)."""
+        import hashlib
+
+        import numpy as np
+
+        hp = {k: v for k, v in self.hparams.items() if k != "training"}
+        h = hashlib.sha256(json.dumps([self.method, hp], sort_keys=True, default=str).encode())
+        for leaf in jax.tree.leaves(self.params):
+            h.update(np.round(np.asarray(leaf, np.float32).ravel()[:256], 4).tobytes())
+        return h.hexdigest()[:16]
+
     def bind(self, target):
         """Params ready to run on `target` (adds what derives from it, see heads.vocab)."""
         from spec_jax.heads.vocab import bind_target
