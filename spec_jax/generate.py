@@ -28,8 +28,9 @@ def _bucket(n: int, step: int) -> int:
     return max(step, -(-n // step) * step)
 
 
-def resolve_drafter(target: Target, draft, tree) -> tuple[Drafter, Any]:
-    """(drafter, draft params) from the `draft=` argument of generate."""
+def resolve_drafter(target: Target, draft, tree, batch: int = 1) -> tuple[Drafter, Any]:
+    """(drafter, draft params) from the `draft=` argument of generate; `tree="auto"` takes the
+    tree calibrated for this batch size, if one was, else the heads' default."""
     if draft is None or draft == "none":
         return Drafter(), ()
     if isinstance(draft, str) and draft.startswith("ngram"):
@@ -41,7 +42,7 @@ def resolve_drafter(target: Target, draft, tree) -> tuple[Drafter, Any]:
     if isinstance(draft, DraftHeads):
         draft.check_target(target)
         if tree in (None, "auto") and draft.method in ("eagle", "eagle3"):
-            tree = calibrated_tree(target, draft) or tree
+            tree = calibrated_tree(target, draft, batch) or tree
         drafter = draft.drafter(tree)
         return drafter, (() if type(drafter) is Drafter else draft.bind(target))
     raise SpecJaxError(f"unknown draft {draft!r}: pass 'ngram', heads from spec_jax.init_draft / "
@@ -92,7 +93,7 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128,
     b = len(ids)
     p_len = max(len(x) for x in ids)
     p_pad = _bucket(p_len, 64)
-    drafter, dparams = resolve_drafter(target, draft, tree)
+    drafter, dparams = resolve_drafter(target, draft, tree, b)
     if hasattr(drafter, "attn_impl"):
         drafter = dataclasses.replace(drafter, attn_impl=attn_impl)
     n_slots = _bucket(p_pad + max_new_tokens + 2 * drafter.tree_size + drafter.max_depth + 1, 128)
