@@ -14,8 +14,6 @@ import json
 import time
 from collections import defaultdict
 
-import numpy as np
-
 import spec_jax
 from spec_jax.data import read_prompts
 

@@ -1,5 +1,4 @@
 """Plain decoding on a tiny random model: the jitted loop equals naive recomputation."""
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

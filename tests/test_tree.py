@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from spec_jax.errors import SpecJaxError
-from spec_jax.tree import (MC_SIM_7B_63, MEDUSA_DEFAULT, StaticTree, ancestor_mask, ancestor_mask_np,
+from spec_jax.tree import (MC_SIM_7B_63, MEDUSA_DEFAULT, StaticTree, ancestor_mask,
                            children_table, parse_tree)
 
 

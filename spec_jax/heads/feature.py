@@ -26,7 +26,7 @@ import numpy as np
 from spec_jax.cache import KVCache, commit, init_cache
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext, accepted_chunk
 from spec_jax.heads.vocab import shared_head_logits, topk_logp
-from spec_jax.models.llama import causal_mask, embed
+from spec_jax.models.llama import causal_mask
 from spec_jax.tree import StaticTree, Tree, ancestor_mask, children_table, static_tree_batch
 
 

@@ -16,7 +16,6 @@ import dataclasses
 import json
 import time
 from pathlib import Path
-from typing import Any
 
 import jax
 import jax.numpy as jnp
