@@ -7,13 +7,12 @@ No retraining: only what the head may propose changes, never what the target acc
 import argparse
 from pathlib import Path
 
-import numpy as np
-
 import spec_jax
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.registry import save_draft
 from spec_jax.heads.vocab import frequent_tokens, vocab_maps
 from spec_jax.train.distill import load_distill
+from spec_jax.train.loop import token_arrays
 
 
 def main():
@@ -28,9 +27,7 @@ def main():
         raise SpecJaxError("EAGLE-3 heads train their own draft-vocabulary LM head already")
     seqs, plens, _ = load_distill(a.data)
     v = heads.target_info["vocab_size"]
-    toks = [s[:a.seq_len] for s in seqs]
-    flat = np.concatenate([t[max(p - 1, 0):] for t, p in zip(toks, plens)])
-    d2t = frequent_tokens(flat, np.ones_like(flat), a.size, v)
+    d2t = frequent_tokens(*token_arrays(seqs, plens, a.seq_len), a.size, v)  # as training does
     heads.params.update(vocab_maps(d2t, v))
     heads.hparams["draft_vocab"] = len(d2t)
     keep = {f.name: f.read_bytes() for f in Path(a.heads).iterdir()  # e.g. train_log.json

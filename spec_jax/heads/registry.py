@@ -54,7 +54,7 @@ class DraftHeads:
         hp = {k: v for k, v in self.hparams.items() if k != "training"}
         h = hashlib.sha256(json.dumps([self.method, hp], sort_keys=True, default=str).encode())
         for leaf in jax.tree.leaves(self.params):
-            h.update(np.round(np.asarray(leaf, np.float32).ravel()[:256], 4).tobytes())
+            h.update(np.round(np.asarray(leaf.reshape(-1)[:256], np.float32), 4).tobytes())
         return h.hexdigest()[:16]
 
     def bind(self, target):
@@ -118,6 +118,7 @@ def init_draft(target, method: str, seed: int = 0, scale: float = 0.02, **hparam
     if method not in METHODS:
         raise SpecJaxError(f"unknown draft method {method!r}: choose one of {', '.join(METHODS)}")
     hp = {**DEFAULT_HPARAMS[method], **hparams}
+    d2t = hp.pop("d2t", None)  # draft vocabulary (target ids); kept in params, not hparams
     key = jax.random.PRNGKey(seed)
     cfg = target.cfg
     if method == "eagle":
@@ -129,7 +130,7 @@ def init_draft(target, method: str, seed: int = 0, scale: float = 0.02, **hparam
 
         hp["draft_vocab"] = min(hp["draft_vocab"], cfg.vocab_size)
         hp["fused_layers"] = list(cfg.eagle3_layers)
-        params = init_params(cfg, key, scale, draft_vocab=hp["draft_vocab"], d2t=hp.pop("d2t", None))
+        params = init_params(cfg, key, scale, draft_vocab=hp["draft_vocab"], d2t=d2t)
     elif method == "medusa":
         from spec_jax.heads.medusa import init_params
 
@@ -138,13 +139,11 @@ def init_draft(target, method: str, seed: int = 0, scale: float = 0.02, **hparam
         from spec_jax.heads.mtp import init_params
 
         params = init_params(cfg, key, scale, num_modules=hp["num_modules"])
-    if method != "eagle3" and hp.get("d2t") is not None:  # a draft vocabulary over the target's head
+    if method != "eagle3" and d2t is not None:  # a draft vocabulary over the target's LM head
         from spec_jax.heads.vocab import vocab_maps
 
-        d2t = hp.pop("d2t")
         hp["draft_vocab"] = len(d2t)
         params.update(vocab_maps(d2t, cfg.vocab_size))
-    hp.pop("d2t", None)
     return DraftHeads(method=method, params=params, hparams=hp, target_info=target_identity(target),
                       tcfg=cfg)
 

@@ -59,13 +59,9 @@ def split_params(params):
     return train, frozen
 
 
-def feature_cache(target, seqs, plens, seq_len, aux_layers=(), batch=8):
-    """Run the frozen target once over every sequence (truncated to seq_len).
-
-    Returns tokens [N, L], mask [N, L] (1 on response tokens), feats [N, L, H], aux or None."""
-    from spec_jax.cache import cache_for
-    from spec_jax.models.llama import causal_mask, forward
-
+def token_arrays(seqs, plens, seq_len):
+    """Sequences truncated and zero-padded to seq_len: tokens [N, L] and mask [N, L], 1 from the
+    last prompt token on (the positions whose next token is a response token)."""
     n = len(seqs)
     toks = np.zeros((n, seq_len), np.int32)
     mask = np.zeros((n, seq_len), np.float32)
@@ -73,6 +69,18 @@ def feature_cache(target, seqs, plens, seq_len, aux_layers=(), batch=8):
         s = s[:seq_len]
         toks[i, :len(s)] = s
         mask[i, max(p - 1, 0):len(s)] = 1.0
+    return toks, mask
+
+
+def feature_cache(target, seqs, plens, seq_len, aux_layers=(), batch=8):
+    """Run the frozen target once over every sequence (truncated to seq_len).
+
+    Returns tokens [N, L], mask [N, L] (see token_arrays), feats [N, L, H], aux or None."""
+    from spec_jax.cache import cache_for
+    from spec_jax.models.llama import causal_mask, forward
+
+    toks, mask = token_arrays(seqs, plens, seq_len)
+    n = len(seqs)
     cfg = target.cfg
     fwd = jax.jit(lambda params, t: forward(params, cfg, t, jnp.broadcast_to(
         jnp.arange(seq_len, dtype=jnp.int32), t.shape), cache_for(cfg, t.shape[0], 1),
