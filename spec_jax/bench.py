@@ -1,4 +1,4 @@
-"""Benchmark harness and hardware-aware tree sizing.
+"""Benchmark harness.
 
 `bench` runs plain decoding and every drafter on the same prompts in one process, interleaved
 prompt by prompt so that machine drift hits all methods alike; compile and warm-up are excluded
@@ -7,8 +7,7 @@ accepted tokens per target call), tokens/s, speedup over plain decoding from the
 share of time spent verifying (the target's tree forward, timed on its own at the same tree size)
 versus drafting and bookkeeping (the rest of each step).
 
-`calibrate_tree` chooses the dynamic tree (top_k, depth, total_tokens) that maximises measured
-tokens/s on calibration prompts for this backend, model and batch size, and caches the choice.
+`--calibrate` (and any `HEADS@auto`) sizes the tree with `spec_jax.sizing` and plots its curve.
 """
 from __future__ import annotations
 
@@ -21,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from spec_jax.errors import SpecJaxError
+from spec_jax.sizing import PLAIN, size_tree, tree_name, verify_latency
 
 
 @dataclasses.dataclass
@@ -81,32 +81,6 @@ def markdown(rows) -> str:
         lines.append(f"| {r['prompt_set']} | {r['category']} | {r['method']} | {r['tree_tokens']} | "
                      f"{tau} | {r['tokens_per_second']:.1f} | {sp} | {vs} |")
     return "\n".join(lines)
-
-
-def verify_latency(target, tree_sizes, batch=1, fill=256, repeats=5) -> dict[int, float]:
-    """Seconds of one target forward over T block tokens against a cache holding `fill` tokens."""
-    import jax
-    import jax.numpy as jnp
-
-    from spec_jax.models.llama import causal_mask, forward
-
-    cfg = target.cfg
-    out = {}
-    for t in tree_sizes:
-        cache = target.new_cache(batch, fill + t + 128)
-        cache = cache.replace(length=jnp.full((batch,), fill, jnp.int32),
-                              valid=cache.valid.at[:, :fill].set(True))
-        toks = jnp.zeros((batch, t), jnp.int32)
-        pos = fill + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
-        f = jax.jit(lambda p, c, tk, ps: forward(p, cfg, tk, ps, c, causal_mask(batch, t)).logits)
-        f(target.params, cache, toks, pos).block_until_ready()
-        ts = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            f(target.params, cache, toks, pos).block_until_ready()
-            ts.append(time.perf_counter() - t0)
-        out[t] = float(np.median(ts))
-    return out
 
 
 def run_bench(target, drafts: dict[str, tuple[Any, Any]], prompt_sets: dict[str, list],
@@ -207,64 +181,6 @@ def plot(rows, runs_hist: dict[str, list[int]], out_dir: Path):
     plt.close(fig)
 
 
-CANDIDATE_TREES = [(1, 3, 4), (2, 3, 6), (4, 3, 8), (4, 4, 12), (6, 5, 16), (8, 5, 24), (8, 6, 32),
-                   (10, 6, 60)]
-
-
-def tree_cache_file() -> Path:
-    from spec_jax.convert.fetch import cache_dir
-
-    return cache_dir() / "trees.json"
-
-
-def calibration_key(target, heads, batch: int) -> str:
-    import jax
-
-    return (f"{jax.devices()[0].device_kind}|{target.fingerprint()}|{heads.method}:"
-            f"{heads.fingerprint()}|{batch}")
-
-
-def calibrate_tree(target, heads, prompts, max_new_tokens=64, batch=1, candidates=CANDIDATE_TREES,
-                   use_cache=True, progress=True):
-    """Measure tokens/s of each candidate dynamic tree on calibration prompts; return the best.
-
-    Returns (best (top_k, depth, total), curve: list of dicts). Cached per device kind, model,
-    heads (method and fingerprint) and batch size. prompts: Prompt records, strings or id lists."""
-    import spec_jax
-
-    key = calibration_key(target, heads, batch)
-    cache_f = tree_cache_file()
-    cached = json.loads(cache_f.read_text()) if cache_f.is_file() else {}
-    if use_cache and key in cached:
-        c = cached[key]
-        return tuple(c["best"]), c["curve"]
-    curve = []
-    # plain decoding (0, 0, 1) is a candidate too: on hardware where verifying a tree costs much
-    # more than one token, or for heads that accept little, the best "tree" is no speculation
-    prompts = [getattr(p, "text", p) for p in prompts]
-    for k, d, n in [(0, 0, 1)] + list(candidates):
-        kw = {"draft": heads, "tree": {"top_k": k, "depth": d, "total_tokens": n}} if n > 1 else {}
-        spec_jax.generate(target, prompts[0], 8, **kw)  # compile
-        tok, wall, steps = 0, 0.0, 0
-        for p in prompts:
-            r = spec_jax.generate(target, p, max_new_tokens, **kw)
-            tok += r.stats["new_tokens"]
-            wall += r.stats["wall_seconds"]
-            steps += sum(r.stats["acceptance_histogram"])
-        row = {"top_k": k, "depth": d, "total_tokens": n, "tokens_per_second": tok / wall,
-               "tau": (tok - len(prompts)) / max(steps, 1)}
-        curve.append(row)
-        if progress:
-            what = f"tree k={k} d={d} n={n}" if n > 1 else "plain decoding"
-            print(f"  {what}: tau {row['tau']:.2f}, {row['tokens_per_second']:.1f} tok/s", flush=True)
-    best = max(curve, key=lambda r: r["tokens_per_second"])
-    best_t = (best["top_k"], best["depth"], best["total_tokens"])
-    cached[key] = {"best": best_t, "curve": curve}
-    cache_f.parent.mkdir(parents=True, exist_ok=True)
-    cache_f.write_text(json.dumps(cached, indent=1))
-    return best_t, curve
-
-
 def bench_cli(a):
     """`spec-jax bench`: one interleaved run of plain decoding, drafters and transformers peers."""
     import jax
@@ -287,20 +203,15 @@ def bench_cli(a):
             continue
         heads = spec_jax.load_draft(name)
         label = f"{heads.method}" + (f"@{tree}" if tree else "")
-        if tree == "auto" and heads.method != "medusa":
-            calib = [p for ps in sets.values() for p in ps][:2]
-            best, curve = calibrate_tree(target, heads, calib)
-            (out / f"calibration_{heads.method}.json").write_text(json.dumps(curve, indent=1))
-            tree = "dynamic:%d,%d,%d" % best
-            label = f"{heads.method}@auto({tree if best[2] > 1 else 'plain'})"
-        drafts[label] = (heads, tree or None)
-    if a.calibrate:
-        for label, (heads, _) in list(drafts.items()):
-            if hasattr(heads, "method") and heads.method != "medusa":
-                calib = [p for ps in sets.values() for p in ps][:2]
-                best, curve = calibrate_tree(target, heads, calib, use_cache=False)
-                print(f"{label}: best tree {best}")
-                _plot_curve(curve, out / f"calibration_{heads.method}.png")
+        if tree == "auto" or a.calibrate:
+            chosen, report = size_tree(target, heads, use_cache=not a.calibrate)
+            (out / f"sizing_{heads.method}.json").write_text(json.dumps(report, indent=1))
+            _plot_curve(report, out / f"sizing_{heads.method}.png")
+            print(f"{name}: {_curve_table(report)}")
+            if tree == "auto":
+                tree = chosen if chosen != PLAIN else "plain"
+                label = f"{heads.method}@auto({tree_name(chosen)})"
+        drafts[label] = (None, None) if tree == "plain" else (heads, tree or None)
     runs = run_bench(target, drafts, sets, a.max_new_tokens)
     items = [(s, p) for s, ps in sets.items() for p in ps]
     for mode in ("greedy", "prompt_lookup"):
@@ -322,20 +233,45 @@ def bench_cli(a):
     plot(rows, method_histograms(runs), out)
 
 
-def _plot_curve(curve, path):
+def _curve_table(report) -> str:
+    """The sizing curve as Markdown: predicted per tree size, then what was measured end to end."""
+    lines = ["", "| tree tokens | depth | expected τ | step ms (verify + draft) | predicted tok/s |",
+             "|---|---|---|---|---|",
+             f"| 1 (plain) | 0 | 1.00 | {1e3 * report['verify_seconds']['1']:.1f} | "
+             f"{report['plain_predicted_tokens_per_second']:.1f} |"]
+    for c in report["curve"]:
+        lines.append(f"| {c['size']} | {c['depth']} | {c['tau']:.2f} | {1e3 * c['step_seconds']:.1f} | "
+                     f"{c['predicted_tokens_per_second']:.1f} |")
+    lines += ["", "| measured end to end | τ | tok/s |", "|---|---|---|"]
+    for m in report["measured"]:
+        lines.append(f"| {tree_name(m['tree'])} | {m['tau']:.2f} | {m['tokens_per_second']:.1f} |")
+    lines.append(f"\nchosen: {tree_name(report['tree'])} (profile over {report['profile_positions']} "
+                 f"positions, {report['seconds']:.0f} s)")
+    return "\n".join(lines)
+
+
+def _plot_curve(report, path):
+    """Predicted tokens/s per tree size, with the end-to-end measurements marked."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    curve = report["curve"]
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    xs = [c["total_tokens"] for c in curve]
-    ax.plot(xs, [c["tokens_per_second"] for c in curve], marker="o")
-    for c in curve:
-        ax.annotate(f"k{c['top_k']} d{c['depth']}", (c["total_tokens"], c["tokens_per_second"]),
-                    fontsize=6)
+    xs = [1] + [c["size"] for c in curve]
+    ys = [report["plain_predicted_tokens_per_second"]] + [c["predicted_tokens_per_second"]
+                                                          for c in curve]
+    ax.plot(xs, ys, marker="o", label="predicted (measured costs × profile τ)")
+    for m in report["measured"]:
+        t = m["tree"]
+        x = 1 if t == PLAIN else (t["total_tokens"] if isinstance(t, dict) else len(t) + 1)
+        ax.scatter([x], [m["tokens_per_second"]], marker="x", color="k")
+        ax.annotate(tree_name(t), (x, m["tokens_per_second"]), fontsize=6)
+    ax.set_xscale("log", base=2)
     ax.set_xlabel("tree tokens")
     ax.set_ylabel("tokens/s")
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

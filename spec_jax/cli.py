@@ -77,14 +77,20 @@ def cmd_demo(a):
     target = spec_jax.load_target(model)
     drafts = [("plain", None), ("ngram", "ngram")]
     if Path(a.draft).is_dir():
-        drafts.append((f"{spec_jax.load_draft(a.draft).method} ({a.draft})", spec_jax.load_draft(a.draft)))
+        from spec_jax.sizing import size_tree, tree_name
+
+        heads = spec_jax.load_draft(a.draft)
+        tree, _ = size_tree(target, heads)  # measured on first use, then cached
+        drafts.append((f"{heads.method} ({tree_name(tree)})", heads))
     else:
         print(f"(no trained heads at {a.draft}; showing plain and n-gram decoding)")
     for prompt in DEMO_PROMPTS:
         print(f"\n### {prompt}")
         for name, draft in drafts:
-            spec_jax.generate(target, prompt, max_new_tokens=8, draft=draft)  # compile
-            r = spec_jax.generate(target, prompt, max_new_tokens=a.max_new_tokens, draft=draft)
+            # tree="auto": heads get the tree sized for this machine (measured on first use)
+            spec_jax.generate(target, prompt, max_new_tokens=8, draft=draft, tree="auto")  # compile
+            r = spec_jax.generate(target, prompt, max_new_tokens=a.max_new_tokens, draft=draft,
+                                  tree="auto")
             s = r.stats
             if name == "plain":
                 print(r.text.strip())
@@ -137,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--draft", default=None,
                    help="heads directory, 'ngram', 'random:METHOD' (untrained), or omit for plain")
     g.add_argument("--tree", default=None,
-                   help="auto | mc_sim_7b_63 | medusa | chain:N | dynamic:K,D,N | JSON list of paths")
+                   help="auto (size the tree for this machine: measured once, then cached) | "
+                        "mc_sim_7b_63 | medusa | chain:N | dynamic:K,D,N | JSON list of paths; "
+                        "omitted: the sized tree if there is one, else the method's default")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -187,7 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=10)
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--out", default="bench_out")
-    b.add_argument("--calibrate", action="store_true")
+    b.add_argument("--calibrate", action="store_true",
+                   help="size the tree of every heads afresh (HEADS@auto sizes once, cached) and "
+                        "print and plot the curve it was chosen from")
     b.set_defaults(fn=cmd_bench)
     return p
 

@@ -29,38 +29,33 @@ def _bucket(n: int, step: int) -> int:
 
 
 def resolve_drafter(target: Target, draft, tree, batch: int = 1) -> tuple[Drafter, Any]:
-    """(drafter, draft params) from the `draft=` argument of generate; `tree="auto"` takes the
-    tree calibrated for this batch size, if one was, else the heads' default."""
+    """(drafter, draft params) from the `draft=` argument of generate.
+
+    For heads, `tree=None` takes the tree sized for this device, model, heads and batch if one was
+    (see `spec_jax.sizing`), else the method's default; `tree="auto"` sizes it now if it was not."""
     if draft is None or draft == "none":
         return Drafter(), ()
     if isinstance(draft, str) and draft.startswith("ngram"):
         from spec_jax.heads.ngram import NgramDrafter
 
-        return NgramDrafter.from_tree(tree), ()
+        return NgramDrafter.from_tree(None if tree == "auto" else tree), ()
     from spec_jax.heads.registry import DraftHeads
 
     if isinstance(draft, DraftHeads):
+        from spec_jax import sizing
+
         draft.check_target(target)
-        if tree in (None, "auto") and draft.method in ("eagle", "eagle3"):
-            tree = calibrated_tree(target, draft, batch) or tree
+        if tree in (None, "auto"):
+            chosen = sizing.cached_tree(target, draft, batch)
+            if chosen is None and tree == "auto":
+                chosen, _ = sizing.size_tree(target, draft, batch=batch)
+            if chosen == sizing.PLAIN:
+                return Drafter(), ()
+            tree = chosen
         drafter = draft.drafter(tree)
         return drafter, (() if type(drafter) is Drafter else draft.bind(target))
     raise SpecJaxError(f"unknown draft {draft!r}: pass 'ngram', heads from spec_jax.init_draft / "
                        "spec_jax.load_draft, or None for plain decoding")
-
-
-def calibrated_tree(target: Target, heads, batch: int = 1):
-    """The tree `spec-jax bench --calibrate` chose for this device, model, heads and batch."""
-    import json
-
-    from spec_jax.bench import calibration_key, tree_cache_file
-
-    f = tree_cache_file()
-    if not f.is_file():
-        return None
-    entry = json.loads(f.read_text()).get(calibration_key(target, heads, batch))
-    return {"top_k": entry["best"][0], "depth": entry["best"][1],
-            "total_tokens": entry["best"][2]} if entry else None
 
 
 def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 128, *,
@@ -70,8 +65,9 @@ def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 
     """Generate up to max_new_tokens after `prompt` (a string, or a list of token ids).
 
     draft: None (plain decoding), "ngram", or heads from `init_draft`/`load_draft`.
-    tree: for tree drafters, "auto"/None (the method's default), "mc_sim_7b_63", "medusa",
-    "chain:N", or a list of paths. Greedy speculative output equals plain greedy output; at
+    tree: for heads, None (the tree sized for this device if one was, else the method's default),
+    "auto" (size it now if it was not: a one-off measurement, see `spec_jax.sizing`),
+    "dynamic:TOP_K,DEPTH,TOTAL", "mc_sim_7b_63", "medusa", "chain:N", or a list of paths. Greedy speculative output equals plain greedy output; at
     temperature > 0 the output distribution equals the target's.
     """
     batch = generate_batch(target, [prompt], max_new_tokens, temperature=temperature, top_p=top_p,

@@ -1,4 +1,5 @@
 """The bench's arithmetic: tau, tokens/s, speedup and time shares from known runs."""
+import numpy as np
 import pytest
 
 from spec_jax.bench import Run, markdown, method_histograms, summarize
@@ -35,18 +36,87 @@ def test_method_histograms_sum_runs_and_skip_plain():
     assert method_histograms(runs) == {"eagle": [1, 3, 2, 1]}
 
 
-def test_calibrated_tree_is_cached_per_heads(tiny_target, tmp_path, monkeypatch):
-    """Calibration picks one of its candidates and caches it for these heads only: other heads of
-    the same method (retrained, say) are not given a tree measured for different weights."""
+def test_best_trees_from_known_ranks():
+    """A node (r1..rd) is accepted at a position exactly when the true ranks there start with
+    r1..rd; the best tree of n nodes holds the n - 1 most often accepted prefixes, and its tau is
+    greedy decoding replayed over the positions (an accepted run skips the positions it covers)."""
+    from spec_jax.sizing import best_trees, replay_tau
+
+    profile = [np.array([[0, 0], [0, 1], [1, -1], [0, 0], [-1, -1]])]  # 5 positions, depth 2
+    trees = {t["size"]: t for t in best_trees(profile, sizes=(2, 3, 4, 5, 6, 8))}
+    # position 0 accepts 1 (+ bonus) -> position 2 accepts 0 -> position 3 accepts 1: 5 tokens / 3
+    assert trees[2]["paths"] == [[0]] and trees[2]["tau"] == pytest.approx(5 / 3)
+    # positions 0 and 3 each accept 2: 6 tokens in 2 calls
+    assert trees[3]["paths"] == [[0], [0, 0]] and trees[3]["tau"] == pytest.approx(3.0)
+    # ties (accepted once each): the shorter path first, so every tree is prefix-closed
+    assert trees[4]["paths"] == [[0], [0, 0], [1]] and trees[5]["paths"][-1] == [0, 1]
+    assert 6 not in trees  # only 4 distinct prefixes were ever accepted
+    assert replay_tau([np.array([[-1], [-1], [2]])], [[0]]) == 1.0
+    assert replay_tau([np.array([[2], [-1], [-1]]), np.array([[0]])], [[0], [1], [2]]) == pytest.approx(
+        5 / 3)
+
+
+def test_rank_profile_matches_the_drafters_own_candidates(tiny_target):
+    """The teacher-forced profile sees what the drafter proposes at inference: at each position the
+    rank it records is where the true next token sits among the drafter's root candidates."""
+    import jax.numpy as jnp
+
     import spec_jax
-    from spec_jax.bench import calibrate_tree
-    from spec_jax.generate import calibrated_tree
+    from spec_jax.heads.base import PrefillContext
+    from spec_jax.sizing import rank_profile
+    from spec_jax.train.loop import feature_cache
+
+    heads = spec_jax.init_draft(tiny_target, "eagle", seed=1, scale=0.3)
+    prompt = [1, 2, 3, 4, 5]
+    seq = np.array(prompt + spec_jax.generate(tiny_target, prompt, 12, chat=False).token_ids)
+    (ranks,) = rank_profile(tiny_target, heads, [seq], [len(prompt)], depth=2, max_rank=8)
+    assert ranks.shape == (len(seq) - len(prompt) - 2, 2)
+    assert (ranks[:, 0] >= 0).any() and (ranks[:, 0] != 0).any()  # the check below is not vacuous
+    drafter, dparams = heads.drafter(), heads.bind(tiny_target)
+    cfg = tiny_target.cfg
+    for i in range(len(ranks)):
+        j = len(prompt) - 1 + i  # the root is token j + 1; depth 1 proposes token j + 2
+        _, _, feats, _ = feature_cache(tiny_target, [seq[:j + 1]], [j + 1], 64)
+        toks = np.zeros((1, 64), np.int32)
+        toks[0, :j + 1] = seq[:j + 1]
+        state = drafter.init_state(dparams, tiny_target.params, cfg, 1, 128)
+        state = drafter.after_prefill(dparams, tiny_target.params, cfg, state, PrefillContext(
+            tokens=jnp.asarray(toks), prompt_len=jnp.asarray([j + 1]), hidden=jnp.asarray(feats),
+            aux_hidden=None, first_token=jnp.asarray([seq[j + 1]])))
+        cands = np.asarray(state.root_tok[0]).tolist()  # best first
+        expect = cands.index(seq[j + 2]) if seq[j + 2] in cands else -1
+        assert ranks[i, 0] == expect
+
+
+def test_sized_tree_is_cached_per_heads(tiny_target, tmp_path, monkeypatch):
+    """Sizing measures plain decoding and its best prediction end to end, caches the faster for
+    these heads only: other heads of the same method (retrained, say) are sized afresh."""
+    import spec_jax
+    from spec_jax.sizing import PLAIN, cached_tree, size_tree
 
     monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
     heads = spec_jax.init_draft(tiny_target, "eagle", seed=1, scale=0.3)
     other = spec_jax.init_draft(tiny_target, "eagle", seed=2, scale=0.3)
-    best, curve = calibrate_tree(tiny_target, heads, [[1, 2, 3, 4]], max_new_tokens=8,
-                                 candidates=[(2, 2, 4)], progress=False)
-    assert best in [(0, 0, 1), (2, 2, 4)] and len(curve) == 2
-    assert calibrated_tree(tiny_target, heads) == dict(zip(("top_k", "depth", "total_tokens"), best))
-    assert calibrated_tree(tiny_target, other) is None
+    tree, report = size_tree(tiny_target, heads, [[1, 2, 3, 4], [5, 6, 7]], max_new_tokens=8,
+                             sizes=(2, 4), progress=False)
+    assert report["measured"][0]["tree"] == PLAIN
+    assert tree == max(report["measured"], key=lambda m: m["tokens_per_second"])["tree"]
+    assert report["profile_positions"] > 0 and all(c["size"] in (2, 4) for c in report["curve"])
+    assert cached_tree(tiny_target, heads) == tree
+    assert cached_tree(tiny_target, other) is None
+    # generate(tree=None) uses the cached choice; the result is still plain greedy decoding
+    r = spec_jax.generate(tiny_target, [1, 2, 3], 6, chat=False, draft=heads)
+    assert r.token_ids == spec_jax.generate(tiny_target, [1, 2, 3], 6, chat=False).token_ids
+
+
+@pytest.mark.parametrize("method", ["eagle3", "medusa", "mtp"])
+def test_rank_profile_for_every_method(tiny_target, method):
+    import spec_jax
+    from spec_jax.sizing import profile_depth, rank_profile
+
+    heads = spec_jax.init_draft(tiny_target, method, seed=1, scale=0.3)
+    depth = profile_depth(heads)
+    seqs = [np.arange(1, 20), np.arange(5, 30)]
+    prof = rank_profile(tiny_target, heads, seqs, [4, 6], depth=depth, max_rank=4)
+    assert [r.shape for r in prof] == [(19 - 3 - depth - 1, depth), (25 - 5 - depth - 1, depth)]
+    assert all(((r >= -1) & (r < 4)).all() for r in prof)

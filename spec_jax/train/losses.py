@@ -37,10 +37,12 @@ def _ce(logits, labels, mask, dparams):
         mask.sum(), 1.0)
 
 
-def feature_unrolled(drafter, dparams, tparams, tcfg, batch, steps: int, key, noise: float,
-                     feat_loss_weight: float, ce_weight: float, decay: float):
-    """Loss of a feature drafter unrolled for `steps` draft steps. Returns (loss, metrics)."""
-    toks, feats, mask = batch["tokens"], batch["feats"], batch["mask"].astype(jnp.float32)
+def unrolled_features(drafter, dparams, tparams, tcfg, toks, t_feat, steps: int):
+    """Draft output features of `steps` unrolled draft steps along the true tokens.
+
+    toks [B, L] token ids, t_feat [B, L, H'] the draft's input features from the target.
+    Returns a list of `steps` arrays [B, L, H]: step i at position j predicts the token j + i + 2.
+    Used by the training losses and by tree sizing's acceptance profile."""
     b, l = toks.shape
     kvh, hd = tcfg.num_kv_heads, tcfg.head_dim
     pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
@@ -48,9 +50,6 @@ def feature_unrolled(drafter, dparams, tparams, tcfg, batch, steps: int, key, no
     no_valid, zero_len = jnp.zeros((b, 1), bool), jnp.zeros((b,), jnp.int32)
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((l, l), bool)), (b, l, l))
     eye = jnp.broadcast_to(jnp.eye(l, dtype=bool), (b, l, l))
-    t_feat = drafter.target_feature(dparams, tcfg, feats, batch.get("aux"))
-    if noise > 0:
-        t_feat = t_feat + noise * jax.random.uniform(key, t_feat.shape, minval=-1.0, maxval=1.0)
 
     def cell(module, feat, tokens, ex_k, ex_v, ex_mask, own):
         return drafter.cell(dparams, tparams, tcfg, module, feat, tokens, pos, empty_k, empty_k,
@@ -66,8 +65,7 @@ def feature_unrolled(drafter, dparams, tparams, tcfg, batch, steps: int, key, no
         ctx[m] = (k, v)
         if m == 0:
             out1 = out
-    total, metrics = 0.0, {}
-    feat, diag_k, diag_v = out1, [], []
+    feat, diag_k, diag_v, feats = out1, [], [], []
     for i in range(steps):
         m = i % drafter.num_modules
         if i > 0:
@@ -80,18 +78,30 @@ def feature_unrolled(drafter, dparams, tparams, tcfg, batch, steps: int, key, no
             k, v = ctx[0]
         diag_k.append(k)
         diag_v.append(v)
+        feats.append(feat)
+    return feats
+
+
+def feature_unrolled(drafter, dparams, tparams, tcfg, batch, steps: int, key, noise: float,
+                     feat_loss_weight: float, ce_weight: float, decay: float):
+    """Loss of a feature drafter unrolled for `steps` draft steps. Returns (loss, metrics)."""
+    toks, feats, mask = batch["tokens"], batch["feats"], batch["mask"].astype(jnp.float32)
+    l = toks.shape[1]
+    t_feat = drafter.target_feature(dparams, tcfg, feats, batch.get("aux"))
+    if noise > 0:
+        t_feat = t_feat + noise * jax.random.uniform(key, t_feat.shape, minval=-1.0, maxval=1.0)
+    total, metrics = 0.0, {}
+    for i, feat in enumerate(unrolled_features(drafter, dparams, tparams, tcfg, toks, t_feat, steps)):
         # step i at position j predicts the token j + i + 2, where the data has one
         labels = _shift(toks, i + 2)
         valid = _shift(mask, i + 2) * (jnp.arange(l)[None] < l - i - 2)
         ce, acc = _ce(drafter.logits(dparams, tparams, tcfg, feat), labels, valid, dparams)
-        w = decay ** i
-        total = total + w * ce_weight * ce
+        total = total + decay ** i * ce_weight * ce
         metrics[f"acc{i + 1}"] = acc
         if i == 0 and feat_loss_weight > 0:
             target = jax.lax.stop_gradient(_shift(feats, 1))
             fl = optax.huber_loss(feat, target).mean(-1)
-            fmask = valid
-            total = total + feat_loss_weight * (fl * fmask).sum() / jnp.maximum(fmask.sum(), 1.0)
+            total = total + feat_loss_weight * (fl * valid).sum() / jnp.maximum(valid.sum(), 1.0)
     metrics["loss"] = total
     return total, metrics
 

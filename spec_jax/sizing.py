@@ -1,0 +1,354 @@
+"""Hardware-aware tree sizing (`tree="auto"`): the draft tree that maximises tokens/s here.
+
+Sequoia's idea with measured costs, in three measurements:
+
+1. Acceptance profile. The target writes greedy continuations of calibration prompts; the draft
+   heads then run along these true paths (teacher-forced, which is what they see at inference for
+   every node on the accepted path) and record, at each depth d, the rank of the true token among
+   their candidates. Under greedy verification a static tree accepts its node (r1, ..., rd) exactly
+   when the true ranks at depths 1..d are r1..rd. The best tree with n nodes is the root plus
+   the n - 1 most frequent rank prefixes (a prefix is never rarer than its extensions, so they
+   form a tree), and its tau is found by replaying greedy decoding over the profile: from each
+   step's root, accept the longest prefix in the tree, move past the accepted tokens and the
+   bonus token. (The mean over all positions would overrate it: decoding visits more of the
+   positions that follow a rejection.)
+2. Costs. The target's forward latency over T tree tokens (verification) and the drafter's
+   per-step latency (propose + bookkeeping) at each depth, on this backend and batch size.
+3. Choice. Predicted tokens/s of the best tree of each size = tau / (verify + draft) per step.
+   The best prediction and plain decoding (and, for EAGLE heads predicted to beat plain, the
+   dynamic tree of the same top-k, depth and size) are then run end to end on the calibration
+   prompts, and the fastest wins: speculation is chosen only where it measurably pays.
+
+The choice is cached per device kind, target, heads (method + weights fingerprint) and batch.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# Generic calibration prompts (chat, code, maths, writing) for `auto` on first use.
+DEFAULT_PROMPTS = [
+    "Give three tips for staying healthy and explain each in two sentences.",
+    "Write a Python function that checks whether a string is a palindrome, with a docstring.",
+    "A train travels 120 km in 1.5 hours. What is its average speed? Explain step by step.",
+    "Write a short story about a robot who learns to paint.",
+]
+TREE_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+PLAIN = "plain"
+
+
+def cache_file() -> Path:
+    from spec_jax.convert.fetch import cache_dir
+
+    return cache_dir() / "trees-v2.json"
+
+
+def calibration_key(target, heads, batch: int) -> str:
+    return (f"{jax.devices()[0].device_kind}|{target.fingerprint()}|{heads.method}:"
+            f"{heads.fingerprint()}|{batch}")
+
+
+def cached_tree(target, heads, batch: int = 1):
+    """The cached choice for these heads here: PLAIN, a list of paths, a dynamic-tree dict, or
+    None when this device, target, heads and batch size were never calibrated."""
+    f = cache_file()
+    if not f.is_file():
+        return None
+    entry = json.loads(f.read_text()).get(calibration_key(target, heads, batch))
+    return None if entry is None else entry["tree"]
+
+
+def _store(key: str, entry: dict) -> None:
+    f = cache_file()
+    data = json.loads(f.read_text()) if f.is_file() else {}
+    data[key] = entry
+    f.parent.mkdir(parents=True, exist_ok=True)
+    tmp = f.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(f)
+
+
+# ---- 1. acceptance profile ----
+
+def profile_depth(heads) -> int:
+    hp = heads.hparams
+    if heads.method == "medusa":
+        return int(hp["num_heads"])
+    if heads.method == "mtp":
+        return int(hp.get("depth", 3))
+    return 6
+
+
+def rank_profile(target, heads, seqs, plens, depth: int, max_rank: int = 8) -> list[np.ndarray]:
+    """Ranks of the true tokens among the draft's candidates along the true paths.
+
+    seqs: token sequences (prompt + the target's greedy continuation), plens: prompt lengths.
+    Returns per sequence an int array [N, depth] over its N positions j whose root token (j + 1)
+    is a generated token with `depth` tokens after it, in order: entry d is the rank of the true
+    token at depth d + 1 among the draft's candidates, or -1 (not among the first max_rank, or
+    outside the draft vocabulary)."""
+    from spec_jax.heads.medusa import medusa_logits
+    from spec_jax.heads.vocab import to_draft_labels
+    from spec_jax.train.losses import _shift, unrolled_features
+    from spec_jax.train.loop import feature_cache
+
+    drafter = heads.drafter()
+    dparams = heads.bind(target)
+    tcfg = target.cfg
+    seq_len = max(64, -(-max(len(s) for s in seqs) // 64) * 64)
+    toks, mask, feats, aux = feature_cache(target, seqs, plens, seq_len,
+                                           aux_layers=drafter.aux_layers, batch=len(seqs))
+
+    @jax.jit
+    def ranks_fn(dparams, tparams, toks, feats, aux):
+        b, l = toks.shape
+        if heads.method == "medusa":
+            lg = medusa_logits(dparams, tparams, tcfg, feats.reshape(b * l, -1))
+            logits = [lg[:, i].reshape(b, l, -1) for i in range(depth)]
+        else:
+            t_feat = drafter.target_feature(dparams, tcfg, feats, aux)
+            fs = unrolled_features(drafter, dparams, tparams, tcfg, toks, t_feat, depth)
+            logits = [drafter.logits(dparams, tparams, tcfg, f) for f in fs]
+        out = []
+        for i, lg in enumerate(logits):
+            labels = _shift(toks, i + 2)
+            d_labels, in_vocab = to_draft_labels(dparams, labels, jnp.ones_like(labels, jnp.float32))
+            true = jnp.take_along_axis(lg, d_labels[..., None], axis=-1)
+            rank = jnp.sum(lg > true, axis=-1)
+            out.append(jnp.where((in_vocab > 0) & (rank < max_rank), rank, -1))
+        return jnp.stack(out, -1)
+
+    r = np.asarray(ranks_fn(dparams, target.params, jnp.asarray(toks), jnp.asarray(feats),
+                            None if aux is None else jnp.asarray(aux)))
+    out = []
+    for i, (s, p) in enumerate(zip(seqs, plens)):
+        # root token j + 1 generated (j >= p - 1) and the tokens j + 2 .. j + depth + 1 exist
+        last = min(len(s), seq_len) - depth - 2
+        out.append(r[i, p - 1:max(last + 1, p - 1)])
+    return out
+
+
+def _prefixes(row):
+    """Rank prefixes accepted at one position: (r1,), (r1, r2), ... up to the first miss."""
+    out = []
+    for d in range(len(row)):
+        if row[d] < 0:
+            break
+        out.append(tuple(int(x) for x in row[:d + 1]))
+    return out
+
+
+def replay_tau(profile: list[np.ndarray], paths) -> float:
+    """Accepted tokens per target call of greedy decoding with the static tree `paths`, replayed
+    over the rank profile (see `rank_profile`): exact where teacher forcing matches inference."""
+    tree = {tuple(p) for p in paths}
+    emitted = steps = 0
+    for ranks in profile:
+        i = 0
+        while i < len(ranks):
+            a = 0
+            for p in _prefixes(ranks[i]):
+                if p not in tree:
+                    break
+                a = len(p)
+            emitted += a + 1
+            steps += 1
+            i += a + 1
+    return emitted / steps if steps else 1.0
+
+
+def best_trees(profile: list[np.ndarray], sizes=TREE_SIZES) -> list[dict]:
+    """For each tree size n (nodes incl. the root): the static tree of the n - 1 rank prefixes
+    accepted most often in the profile, and its tau replayed over the profile.
+    Returns [{"size", "paths", "tau"}] for the sizes the profile has enough prefixes for."""
+    counts: Counter = Counter(p for ranks in profile for row in ranks for p in _prefixes(row))
+    # a prefix is at least as frequent as its extensions; shorter first on ties keeps it a tree
+    order = sorted(counts, key=lambda p: (-counts[p], len(p), p))
+    out = []
+    for n in sizes:
+        if n - 1 > len(order):
+            break
+        paths = [list(p) for p in order[:n - 1]]
+        out.append({"size": n, "paths": paths, "tau": replay_tau(profile, paths)})
+    return out
+
+
+# ---- 2. costs ----
+
+def verify_latency(target, sizes, batch: int = 1, fill: int = 256, iters: int = 8,
+                   repeats: int = 3) -> dict:
+    """Seconds of one target forward over T block tokens against `fill` cached tokens, as it runs
+    inside the generation loop: `iters` dependent forwards in one `fori_loop` (so per-call dispatch
+    is not counted), per forward, best of `repeats`."""
+    from spec_jax.models.llama import causal_mask, forward
+
+    cfg = target.cfg
+    out = {}
+    for t in sizes:
+        cache = target.new_cache(batch, fill + t + 128)
+        cache = cache.replace(length=jnp.full((batch,), fill, jnp.int32),
+                              valid=cache.valid.at[:, :fill].set(True))
+        pos = fill + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
+
+        def run(params, cache, toks, t=t):
+            def body(_, tk):  # the next block depends on this one's logits: no hoisting
+                logits = forward(params, cfg, tk, pos, cache, causal_mask(batch, t)).logits
+                return jnp.argmax(logits, -1).astype(jnp.int32)
+
+            return jax.lax.fori_loop(0, iters, body, toks)
+
+        out[t] = _best_time(jax.jit(run), (target.params, cache, jnp.zeros((batch, t), jnp.int32)),
+                            repeats) / iters
+    return out
+
+
+def draft_latency(target, heads, tree, batch: int = 1, fill: int = 256, iters: int = 8,
+                  repeats: int = 3) -> float:
+    """Seconds of one draft step for `tree` as it runs inside the generation loop: propose, then
+    the bookkeeping after a verification (re-running the accepted tokens into the draft's cache),
+    `iters` steps in one `fori_loop` after a `fill`-token prefill, per step, best of `repeats`."""
+    from spec_jax.heads.base import PrefillContext, VerifyContext
+
+    drafter = heads.drafter(tree)
+    dparams = heads.bind(target)
+    cfg = target.cfg
+    h, n_aux = cfg.hidden_size, len(drafter.aux_layers)
+    slots = fill + iters * (drafter.max_depth + 1) + drafter.tree_size + 64
+    feats = lambda n: jnp.full((batch, n, h), 0.1)  # noqa: E731
+    auxs = lambda n: jnp.full((batch, n, n_aux * h), 0.1) if n_aux else None  # noqa: E731
+
+    def prefill(dparams, tparams):
+        state = drafter.init_state(dparams, tparams, cfg, batch, slots)
+        return drafter.after_prefill(dparams, tparams, cfg, state, PrefillContext(
+            tokens=jnp.ones((batch, fill), jnp.int32), prompt_len=jnp.full((batch,), fill, jnp.int32),
+            hidden=feats(fill), aux_hidden=auxs(fill), first_token=jnp.ones((batch,), jnp.int32)))
+
+    def steps(dparams, tparams, n):
+        def body(i, carry):
+            state, root = carry
+            tree_, state = drafter.propose(dparams, tparams, cfg, state, root, jax.random.PRNGKey(0))
+            t = tree_.tokens.shape[1]
+            path = jnp.full((batch, drafter.max_depth + 1), -1, jnp.int32).at[:, 0].set(0)
+            state = drafter.after_verify(dparams, tparams, cfg, state, VerifyContext(
+                tree=tree_, path=path, n_accepted=jnp.ones((batch,), jnp.int32),
+                bonus=tree_.tokens[:, -1], hidden=feats(t), aux_hidden=auxs(t),
+                root_pos=jnp.full((batch,), fill, jnp.int32) + i, active=jnp.ones((batch,), bool)))
+            return state, tree_.tokens[:, -1]
+
+        return jax.lax.fori_loop(0, n, body, (prefill(dparams, tparams), jnp.ones((batch,), jnp.int32)))
+
+    f = jax.jit(steps, static_argnums=2)
+    whole = _best_time(f, (dparams, target.params, iters), repeats)
+    once = _best_time(f, (dparams, target.params, 0), repeats)  # prefill alone
+    return max(whole - once, 0.0) / iters
+
+
+def _best_time(f, args, repeats: int) -> float:
+    jax.block_until_ready(f(*args))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _interp(table: dict, t: int) -> float:
+    xs = sorted(table)
+    return float(np.interp(t, xs, [table[x] for x in xs]))
+
+
+# ---- 3. choice ----
+
+def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int = 96,
+              sizes=TREE_SIZES, use_cache: bool = True, progress: bool = True):
+    """Choose (and cache) the tree for these heads on this device and batch size.
+
+    Returns (tree, report): tree is PLAIN, a list of paths or a dynamic-tree dict (anything
+    `generate(tree=...)` takes); report holds the profile size, the costs, the predicted curve and
+    the end-to-end measurements the choice was made from."""
+    from spec_jax.tree import StaticTree
+
+    key = calibration_key(target, heads, batch)
+    if use_cache and cached_tree(target, heads, batch) is not None:
+        return cached_tree(target, heads, batch), json.loads(cache_file().read_text())[key]
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if progress else (lambda *a: None)
+    t_start = time.perf_counter()
+    texts = [getattr(p, "text", p) for p in (prompts or DEFAULT_PROMPTS)]
+    say(f"sizing the draft tree for {heads.method} heads on {jax.devices()[0].device_kind}, "
+        f"batch {batch} (once; cached in {cache_file()}) ...")
+    groups = [(texts[i:] + texts * batch)[:batch] for i in range(0, len(texts), batch)]
+    measured = [_measure(target, groups, max_new_tokens, PLAIN, None)]
+    # plain decoding's outputs are the greedy continuations the profile runs along
+    seqs, plens = [], []
+    for rows, outs in zip(groups, measured[0].pop("outputs")):
+        for p, r in zip(rows, outs):
+            ids = target.encode(p) if isinstance(p, str) else list(p)
+            seqs.append(np.asarray(list(ids) + r.token_ids, np.int32))
+            plens.append(len(ids))
+    ranks = rank_profile(target, heads, seqs, plens, profile_depth(heads))
+    trees = best_trees(ranks, sizes)
+    verify = verify_latency(target, sorted({1, 2, 4, 8, 16, 32, 64} & set(range(1, max(sizes) + 1))
+                                           | {max(sizes)}), batch)
+    depths = sorted({max(len(p) for p in t["paths"]) for t in trees})
+    draft = {d: draft_latency(target, heads, StaticTree.chain(d), batch) for d in depths}
+    curve = []
+    for t in trees:
+        d = max(len(p) for p in t["paths"])
+        step = _interp(verify, t["size"]) + draft[d]
+        curve.append({"size": t["size"], "depth": d, "top_k": 1 + max(max(p) for p in t["paths"]),
+                      "tau": t["tau"], "step_seconds": step,
+                      "predicted_tokens_per_second": batch * t["tau"] / step, "paths": t["paths"]})
+    best = max(curve, key=lambda c: c["predicted_tokens_per_second"]) if curve else None
+    if best is not None:
+        measured.append(_measure(target, groups, max_new_tokens, best["paths"], heads))
+        if (heads.method in ("eagle", "eagle3") and best["size"] > best["depth"] + 1
+                and best["predicted_tokens_per_second"] > batch / verify[1]):
+            dyn = {"top_k": best["top_k"], "depth": best["depth"], "total_tokens": best["size"]}
+            measured.append(_measure(target, groups, max_new_tokens, dyn, heads))
+    for m in measured:
+        m.pop("outputs", None)
+        say(f"  {tree_name(m['tree'])}: tau {m['tau']:.2f}, {m['tokens_per_second']:.1f} tok/s")
+    winner = max(measured, key=lambda m: m["tokens_per_second"])
+    report = {"tree": winner["tree"], "profile_positions": int(sum(len(r) for r in ranks)),
+              "verify_seconds": {str(k): v for k, v in verify.items()},
+              "draft_seconds": {str(k): v for k, v in draft.items()},
+              "plain_predicted_tokens_per_second": batch / verify[1], "curve": curve,
+              "measured": measured, "seconds": time.perf_counter() - t_start}
+    _store(key, report)
+    say(f"chose {tree_name(winner['tree'])} ({report['seconds']:.0f} s)")
+    return winner["tree"], report
+
+
+def _measure(target, groups, max_new_tokens, tree, heads) -> dict:
+    """End-to-end greedy tokens/s and tau over the prompt groups (generate's wall time excludes
+    compilation)."""
+    import spec_jax
+
+    kw = {} if tree == PLAIN else {"draft": heads, "tree": tree}
+    tok, wall, steps, outs = 0, 0.0, 0, []
+    for rows in groups:
+        rs = spec_jax.generate_batch(target, rows, max_new_tokens, **kw)
+        outs.append(rs)
+        tok += sum(r.stats["new_tokens"] for r in rs)
+        wall += rs[0].stats["wall_seconds"]
+        steps += sum(sum(r.stats["acceptance_histogram"]) for r in rs)
+    n_rows = sum(len(g) for g in groups)
+    return {"tree": tree, "tokens_per_second": tok / wall,
+            "tau": (tok - n_rows) / max(steps, 1), "outputs": outs}
+
+
+def tree_name(tree) -> str:
+    """Short name of a sizing choice: plain, dynamic:K,D,N or 'static N nodes'."""
+    if tree == PLAIN:
+        return "plain"
+    if isinstance(tree, dict):
+        return "dynamic:{top_k},{depth},{total_tokens}".format(**tree)
+    return f"static {len(tree) + 1} nodes, depth {max(len(p) for p in tree)}"
