@@ -2,14 +2,19 @@
 
     python scripts/train_heads.py --data DIR --methods eagle3 medusa:600 mtp --steps 300
 (METHOD:STEPS overrides --steps for that method.)
-Writes checkpoints/<model-name>-<method>/ (or under --out-root) with a train_log.json beside the heads.
+Writes checkpoints/<model-name>-<method>/ (or under --out-root) with a train_log.json beside the heads;
+Orbax checkpoints for --resume go to <that folder>.ckpt/. --features DIR keeps the target's
+features on disk, so a second run (another method, more steps) skips the target pass.
 """
 import argparse
 import json
 import time
 from pathlib import Path
 
+import numpy as np
+
 import spec_jax
+from spec_jax.errors import SpecJaxError
 from spec_jax.train.distill import load_distill
 from spec_jax.train.loop import TrainConfig, feature_cache, train
 
@@ -27,24 +32,50 @@ def main():
     ap.add_argument("--draft-vocab", type=int, default=8192)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--out-root", help="write <out-root>/<model-name>-<method> (default: beside the model)")
+    ap.add_argument("--features", help="folder to keep (or reuse) the target's features in")
     a = ap.parse_args()
+    methods = [(m, int(st or a.steps)) for m, _, st in (x.partition(":") for x in a.methods)]
+    outs = {m: Path(a.out_root or Path(a.model).parent) / f"{Path(a.model).name}-{m}" for m, _ in methods}
+    for m, out in outs.items():  # fail now, not after the feature pass
+        ckpt = out.with_name(out.name + ".ckpt")
+        if not a.resume and ckpt.is_dir() and any(ckpt.iterdir()):
+            raise SpecJaxError(f"{ckpt} already holds checkpoints: pass --resume, or remove it")
     target = spec_jax.load_target(a.model)
     seqs, plens, manifest = load_distill(a.data)
     t0 = time.time()
-    aux_layers = target.cfg.eagle3_layers if any(m.startswith("eagle3") for m in a.methods) else ()
-    toks, mask, feats, aux = feature_cache(target, seqs, plens, a.seq_len, aux_layers)
+    aux_layers = target.cfg.eagle3_layers if any(m == "eagle3" for m, _ in methods) else ()
+    toks, mask, feats, aux = _features(target, seqs, plens, a.seq_len, aux_layers, a.features)
     print(f"feature cache: {len(toks)} x {a.seq_len} tokens in {time.time() - t0:.0f}s", flush=True)
-    for spec in a.methods:
-        m, _, steps = spec.partition(":")
+    for m, steps in methods:
         data = {"tokens": toks, "mask": mask, "feats": feats, "aux": aux if m == "eagle3" else None}
-        cfg = TrainConfig(method=m, steps=int(steps or a.steps), batch_size=a.batch_size,
+        cfg = TrainConfig(method=m, steps=steps, batch_size=a.batch_size,
                           seq_len=a.seq_len, lr=LR[m], draft_vocab=a.draft_vocab)
-        out = Path(a.out_root or Path(a.model).parent) / f"{Path(a.model).name}-{m}"
-        heads, hist = train(target, data, cfg, out_dir=out, ckpt_dir=Path("/tmp") / f"ckpt-{m}",
+        out = outs[m]
+        heads, hist = train(target, data, cfg, out_dir=out, ckpt_dir=out.with_name(out.name + ".ckpt"),
                             resume=a.resume)
         (out / "train_log.json").write_text(json.dumps({"manifest": manifest, "history": hist},
                                                        indent=1))
         print(f"{m}: {hist[-1]} -> {out}", flush=True)
+
+
+def _features(target, seqs, plens, seq_len, aux_layers, folder):
+    """feature_cache, kept in `folder` (numpy files) when given and reused when it matches."""
+    names = ("tokens", "mask", "feats", "aux")
+    if folder:
+        f = Path(folder)
+        meta = {"target": target.fingerprint(), "n": len(seqs), "seq_len": seq_len,
+                "aux_layers": list(aux_layers)}
+        if (f / "meta.json").is_file() and json.loads((f / "meta.json").read_text()) == meta:
+            return tuple(np.load(f / f"{n}.npy", mmap_mode="r") if (f / f"{n}.npy").is_file()
+                         else None for n in names)
+    arrays = feature_cache(target, seqs, plens, seq_len, aux_layers)
+    if folder:
+        f.mkdir(parents=True, exist_ok=True)
+        for n, x in zip(names, arrays):
+            if x is not None:
+                np.save(f / f"{n}.npy", x)
+        (f / "meta.json").write_text(json.dumps(meta))  # written last: marks the folder complete
+    return arrays
 
 
 if __name__ == "__main__":
