@@ -196,6 +196,7 @@ def bench_cli(a):
         ps = read_prompts(path)
         sets[Path(path).parent.name if Path(path).is_file() else Path(path).name] = ps[:a.limit]
     drafts: dict[str, tuple] = {"plain": (None, None)}
+    sized = set()  # heads sized in this run (--calibrate sizes each once)
     for spec in a.drafts:
         name, _, tree = spec.partition("@")
         if name == "ngram":
@@ -203,8 +204,10 @@ def bench_cli(a):
             continue
         heads = spec_jax.load_draft(name)
         label = f"{heads.method}" + (f"@{tree}" if tree else "")
-        if tree == "auto" or a.calibrate:
-            chosen, report = size_tree(target, heads, use_cache=not a.calibrate)
+        fresh = a.calibrate and name not in sized
+        if tree == "auto" or fresh:
+            chosen, report = size_tree(target, heads, use_cache=not fresh)
+            sized.add(name)
             (out / f"sizing_{heads.method}.json").write_text(json.dumps(report, indent=1))
             _plot_curve(report, out / f"sizing_{heads.method}.png")
             print(f"{name}: {_curve_table(report)}")
