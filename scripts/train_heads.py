@@ -36,8 +36,8 @@ def main():
     a = ap.parse_args()
     methods = [(m, int(st or a.steps)) for m, _, st in (x.partition(":") for x in a.methods)]
     outs = {m: Path(a.out_root or Path(a.model).parent) / f"{Path(a.model).name}-{m}" for m, _ in methods}
-    for m, out in outs.items():  # fail now, not after the feature pass
-        ckpt = out.with_name(out.name + ".ckpt")
+    ckpts = {m: out.with_name(out.name + ".ckpt") for m, out in outs.items()}
+    for ckpt in ckpts.values():  # train() checks this too, but only after the feature pass
         if not a.resume and ckpt.is_dir() and any(ckpt.iterdir()):
             raise SpecJaxError(f"{ckpt} already holds checkpoints: pass --resume, or remove it")
     target = spec_jax.load_target(a.model)
@@ -51,7 +51,7 @@ def main():
         cfg = TrainConfig(method=m, steps=steps, batch_size=a.batch_size,
                           seq_len=a.seq_len, lr=LR[m], draft_vocab=a.draft_vocab)
         out = outs[m]
-        heads, hist = train(target, data, cfg, out_dir=out, ckpt_dir=out.with_name(out.name + ".ckpt"),
+        heads, hist = train(target, data, cfg, out_dir=out, ckpt_dir=ckpts[m],
                             resume=a.resume)
         (out / "train_log.json").write_text(json.dumps({"manifest": manifest, "history": hist},
                                                        indent=1))

@@ -67,8 +67,9 @@ def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 
     draft: None (plain decoding), "ngram", or heads from `init_draft`/`load_draft`.
     tree: for heads, None (the tree sized for this device if one was, else the method's default),
     "auto" (size it now if it was not: a one-off measurement, see `spec_jax.sizing`),
-    "dynamic:TOP_K,DEPTH,TOTAL", "mc_sim_7b_63", "medusa", "chain:N", or a list of paths. Greedy speculative output equals plain greedy output; at
-    temperature > 0 the output distribution equals the target's.
+    "dynamic:TOP_K,DEPTH,TOTAL", "mc_sim_7b_63", "medusa", "chain:N", or a list of paths.
+    Greedy speculative output equals plain greedy output; at temperature > 0 the output
+    distribution equals the target's.
     """
     batch = generate_batch(target, [prompt], max_new_tokens, temperature=temperature, top_p=top_p,
                            seed=seed, chat=chat, draft=draft, tree=tree, attn_impl=attn_impl,

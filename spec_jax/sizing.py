@@ -55,13 +55,18 @@ def calibration_key(target, heads, batch: int) -> str:
             f"{heads.fingerprint()}|{batch}")
 
 
-def cached_tree(target, heads, batch: int = 1):
-    """The cached choice for these heads here: PLAIN, a list of paths, a dynamic-tree dict, or
-    None when this device, target, heads and batch size were never calibrated."""
+def _entry(target, heads, batch: int):
+    """The cached sizing report for these heads here, or None."""
     f = cache_file()
     if not f.is_file():
         return None
-    entry = json.loads(f.read_text()).get(calibration_key(target, heads, batch))
+    return json.loads(f.read_text()).get(calibration_key(target, heads, batch))
+
+
+def cached_tree(target, heads, batch: int = 1):
+    """The cached choice for these heads here: PLAIN, a list of paths, a dynamic-tree dict, or
+    None when this device, target, heads and batch size were never calibrated."""
+    entry = _entry(target, heads, batch)
     return None if entry is None else entry["tree"]
 
 
@@ -277,8 +282,9 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
     from spec_jax.tree import StaticTree
 
     key = calibration_key(target, heads, batch)
-    if use_cache and cached_tree(target, heads, batch) is not None:
-        return cached_tree(target, heads, batch), json.loads(cache_file().read_text())[key]
+    entry = _entry(target, heads, batch) if use_cache else None
+    if entry is not None:
+        return entry["tree"], entry
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if progress else (lambda *a: None)
     t_start = time.perf_counter()
     texts = [getattr(p, "text", p) for p in (prompts or DEFAULT_PROMPTS)]
