@@ -15,7 +15,7 @@ import numpy as np
 
 import spec_jax
 from spec_jax.errors import SpecJaxError
-from spec_jax.train.distill import load_distill
+from spec_jax.train.distill import load_sets
 from spec_jax.train.loop import TrainConfig, feature_cache, train
 
 LR = {"eagle": 2e-3, "eagle3": 2e-3, "medusa": 2e-3, "mtp": 2e-3}
@@ -24,7 +24,8 @@ LR = {"eagle": 2e-3, "eagle3": 2e-3, "medusa": 2e-3, "mtp": 2e-3}
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
-    ap.add_argument("--data", required=True)
+    ap.add_argument("--data", required=True, nargs="+",
+                    help="distilled sets, concatenated (the end of the last is held out)")
     ap.add_argument("--methods", nargs="+", default=["eagle3", "medusa", "mtp"])
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch-size", type=int, default=8)
@@ -33,6 +34,8 @@ def main():
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--out-root", help="write <out-root>/<model-name>-<method> (default: beside the model)")
     ap.add_argument("--features", help="folder to keep (or reuse) the target's features in")
+    ap.add_argument("--init", nargs="*", default=[],
+                    help="heads folders to fine-tune from (one per method; kept unchanged)")
     a = ap.parse_args()
     methods = [(m, int(st or a.steps)) for m, _, st in (x.partition(":") for x in a.methods)]
     outs = {m: Path(a.out_root or Path(a.model).parent) / f"{Path(a.model).name}-{m}" for m, _ in methods}
@@ -41,7 +44,8 @@ def main():
         if not a.resume and ckpt.is_dir() and any(ckpt.iterdir()):
             raise SpecJaxError(f"{ckpt} already holds checkpoints: pass --resume, or remove it")
     target = spec_jax.load_target(a.model)
-    seqs, plens, manifest = load_distill(a.data)
+    inits = {h.method: h for h in map(spec_jax.load_draft, a.init)}
+    seqs, plens, manifest = load_sets(a.data, target)
     t0 = time.time()
     aux_layers = target.cfg.eagle3_layers if any(m == "eagle3" for m, _ in methods) else ()
     toks, mask, feats, aux = _features(target, seqs, plens, a.seq_len, aux_layers, a.features)
@@ -52,7 +56,7 @@ def main():
                           seq_len=a.seq_len, lr=LR[m], draft_vocab=a.draft_vocab)
         out = outs[m]
         heads, hist = train(target, data, cfg, out_dir=out, ckpt_dir=ckpts[m],
-                            resume=a.resume)
+                            resume=a.resume, init=inits.get(m))
         (out / "train_log.json").write_text(json.dumps({"manifest": manifest, "history": hist},
                                                        indent=1))
         print(f"{m}: {hist[-1]} -> {out}", flush=True)

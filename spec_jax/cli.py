@@ -104,7 +104,7 @@ def cmd_distill(a):
 
     target = spec_jax.load_target(a.model)
     distill(target, a.data, a.out, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
-            batch_size=a.batch_size, temperature=a.temperature, seed=a.seed)
+            batch_size=a.batch_size, temperature=a.temperature, seed=a.seed, mix=a.mix)
 
 
 def cmd_train(a):
@@ -170,12 +170,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-size", type=int, default=16)
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--mix", choices=("proportional", "balanced"), default="proportional",
+                   help="proportional: prompts drawn in proportion to each file's size; balanced: "
+                        "one prompt from each file in turn (chat-like files are small)")
     s.set_defaults(fn=cmd_distill)
 
     t = sub.add_parser("train", help="train draft heads on self-distillation data")
     t.add_argument("--model", default=str(DEFAULT_MODEL))
     t.add_argument("--method", required=True, choices=["eagle", "eagle3", "medusa", "mtp"])
-    t.add_argument("--data", required=True, help="a folder written by `spec-jax distill`")
+    t.add_argument("--data", required=True, nargs="+",
+                   help="folders written by `spec-jax distill` (the end of the last is held out)")
     t.add_argument("--out", required=True)
     t.add_argument("--steps", type=int, default=2000)
     t.add_argument("--batch-size", type=int, default=8)
@@ -183,6 +187,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--draft-vocab", type=int, default=8192,
                    help="propose from the N most frequent response tokens (0: full vocabulary)")
+    t.add_argument("--init", help="heads to fine-tune (kept unchanged) instead of random ones")
     t.add_argument("--resume", action="store_true")
     t.add_argument("--force", action="store_true")
     t.add_argument("--seed", type=int, default=0)

@@ -46,15 +46,23 @@ def _records(path: Path):
                 yield json.loads(line)
 
 
+def prompt_files(path: str | Path) -> list[Path]:
+    """The prompt files of a folder (sorted), or [path] for a file."""
+    path = Path(path)
+    if not path.is_dir():
+        return [path]
+    files = sorted(p for p in path.rglob("*")
+                   if p.is_file() and (p.suffix in (".json", ".jsonl") or p.name.endswith(".jsonl.gz")))
+    if not files:
+        raise SpecJaxError(f"no .json/.jsonl/.jsonl.gz prompt files under {path}")
+    return files
+
+
 def read_prompts(path: str | Path) -> list[Prompt]:
     """All prompts of one file, or of every data file under a folder."""
     path = Path(path)
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*")
-                       if p.is_file() and (p.suffix in (".json", ".jsonl") or p.name.endswith(".jsonl.gz")))
-        if not files:
-            raise SpecJaxError(f"no .json/.jsonl/.jsonl.gz prompt files under {path}")
-        return [p for f in files for p in read_prompts(f)]
+        return [p for f in prompt_files(path) for p in read_prompts(f)]
     if not path.is_file():
         raise SpecJaxError(f"prompt file {path} does not exist")
     out = []

@@ -1,5 +1,7 @@
 """Head training on a tiny model: loss falls and acceptance rises for every method; an interrupted
 and resumed run ends with exactly the parameters of an uninterrupted one."""
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -80,7 +82,69 @@ def test_kill_and_resume_gives_identical_parameters(toy, tmp_path):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_fine_tuning_starts_from_the_given_heads(toy):
+    """init= continues from trained heads: loss starts where they left off, and their
+    hyper-parameters and draft vocabulary are kept."""
+    target, _, seqs = toy
+    data = data_for(target, seqs, "mtp")
+    hp = tuple(HP["mtp"].items())
+    cfg = TrainConfig(method="mtp", steps=60, batch_size=8, seq_len=SEQ, lr=3e-3, warmup=5,
+                      hparams=hp)
+    first, h1 = train(target, data, cfg, progress=False)
+    tuned, h2 = train(target, data, dataclasses.replace(cfg, steps=10, seed=1, hparams=()),
+                      progress=False, init=first)
+    assert h2[0]["loss"] < 0.6 * h1[0]["loss"]  # not a fresh start
+    np.testing.assert_array_equal(np.asarray(tuned.params["d2t"]), np.asarray(first.params["d2t"]))
+    assert tuned.hparams["training"]["init"]["steps"] == 60
+    with pytest.raises(spec_jax.SpecJaxError, match="are mtp, not eagle"):
+        train(target, data_for(target, seqs, "eagle"), dataclasses.replace(cfg, method="eagle"),
+              progress=False, init=first)
+
+
 def test_batch_order_is_a_function_of_seed_and_step():
     a = [batch_indices(20, 4, s, 0).tolist() for s in range(10)]
     assert a == [batch_indices(20, 4, s, 0).tolist() for s in range(10)]
     assert sorted(sum(a[:5], [])) == list(range(20))  # one epoch covers the data once
+
+
+def _prompt_dir(tmp_path):
+    import json
+
+    d = tmp_path / "train"
+    (d / "big").mkdir(parents=True)
+    (d / "small").mkdir()
+    (d / "big" / "a.jsonl").write_text("".join(json.dumps({"prompt": f"big {i}"}) + "\n"
+                                               for i in range(30)))
+    (d / "small" / "b.jsonl").write_text("".join(json.dumps({"prompt": f"small {i}"}) + "\n"
+                                                 for i in range(3)))
+    return d
+
+
+def test_balanced_mix_takes_files_in_turn(tmp_path):
+    from spec_jax.train.distill import order_prompts
+
+    d = _prompt_dir(tmp_path)
+    bal = order_prompts(d, seed=0, mix="balanced")
+    assert [p.source for p in bal[:6]] == ["big", "small"] * 3  # the small file is not drowned
+    assert sorted(p.text for p in bal) == sorted(p.text for p in order_prompts(d, 0, "proportional"))
+    assert [p.text for p in bal] == [p.text for p in order_prompts(d, seed=0, mix="balanced")]
+    assert [p.text for p in bal] != [p.text for p in order_prompts(d, seed=1, mix="balanced")]
+
+
+def test_distill_refuses_eval_prompts_and_a_changed_mix(tmp_path):
+    import json
+
+    from spec_jax.errors import SpecJaxError
+    from spec_jax.train.distill import distill
+
+    ev = tmp_path / "eval" / "mt_bench"
+    ev.mkdir(parents=True)
+    (ev / "question.jsonl").write_text(json.dumps({"turns": ["hi"]}) + "\n")
+    with pytest.raises(SpecJaxError, match="evaluation prompts"):
+        distill(None, tmp_path / "eval", tmp_path / "out")
+    out = tmp_path / "set"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps({"samples": 0, "seed": 0}))  # proportional
+    np.savez(out / "tokens.npz", prompt_len=np.zeros((0,), np.int32))
+    with pytest.raises(SpecJaxError, match="mix 'proportional'"):
+        distill(None, _prompt_dir(tmp_path), out, mix="balanced")

@@ -13,8 +13,35 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_jax.data import read_prompts
+from spec_jax.data import prompt_files, read_prompts
 from spec_jax.errors import SpecJaxError
+
+MIXES = ("proportional", "balanced")
+
+
+def order_prompts(data_dir, seed: int = 0, mix: str = "proportional") -> list:
+    """The prompts of `data_dir` in the order a distillation run answers them.
+
+    proportional: one seeded shuffle of all prompts (each file contributes in proportion to its
+    size). balanced: each file shuffled with the seed, then taken in turn, one prompt per file,
+    so small chat-like files are not drowned by the large math and code sets (a file that runs out
+    drops out of the rotation). Either order is a pure function of (files, seed, mix), so a set
+    can be extended by taking the next prompts."""
+    if mix not in MIXES:
+        raise SpecJaxError(f"unknown mix {mix!r}: choose one of {', '.join(MIXES)}")
+    if mix == "proportional":
+        prompts = read_prompts(data_dir)
+        random.Random(seed).shuffle(prompts)
+        return prompts
+    groups = []
+    for i, f in enumerate(prompt_files(data_dir)):
+        g = read_prompts(f)
+        random.Random(seed * 1000 + i).shuffle(g)
+        groups.append(g)
+    order = []
+    for k in range(max(len(g) for g in groups)):
+        order.extend(g[k] for g in groups if k < len(g))
+    return order
 
 
 def load_distill(path) -> tuple[list[np.ndarray], list[int], dict]:
@@ -27,20 +54,39 @@ def load_distill(path) -> tuple[list[np.ndarray], list[int], dict]:
     return [z[f"s{i}"] for i in range(n)], [int(x) for x in z["prompt_len"][:n]], manifest
 
 
+def load_sets(paths, target=None) -> tuple[list[np.ndarray], list[int], list[dict]]:
+    """Several distilled sets concatenated in the given order (training holds out the end of the
+    last one); with `target`, each must have been distilled from it."""
+    seqs, plens, manifests = [], [], []
+    for path in ([paths] if isinstance(paths, (str, Path)) else paths):
+        s, p, m = load_distill(path)
+        if target is not None and m.get("target_fingerprint") not in (None, target.fingerprint()):
+            raise SpecJaxError(f"{path} was distilled from another target: distill data for this one")
+        seqs += s
+        plens += p
+        manifests.append(m)
+    return seqs, plens, manifests
+
+
 def distill(target, data_dir, out_dir, num_prompts=1000, max_new_tokens=160, batch_size=16,
-            temperature=0.0, seed=0, progress=True):
-    """Generate (or extend) a self-distillation set of `num_prompts` samples."""
+            temperature=0.0, seed=0, mix="proportional", progress=True):
+    """Generate (or extend) a self-distillation set of `num_prompts` samples (see `order_prompts`
+    for `mix`)."""
     from spec_jax.generate import generate_batch
 
     out_dir = Path(out_dir)
-    prompts = read_prompts(data_dir)
-    if any("eval" in Path(p.source).parts for p in prompts):
+    root = Path(data_dir).resolve().parent
+    if any("eval" in p.resolve().relative_to(root).parts for p in prompt_files(data_dir)):
         raise SpecJaxError("refusing to train on evaluation prompts: pass the train/ folder")
-    random.Random(seed).shuffle(prompts)
+    prompts = order_prompts(data_dir, seed, mix)
     seqs, plens, done = [], [], 0
     if (out_dir / "manifest.json").is_file():
         seqs, plens, manifest = load_distill(out_dir)
         done = len(seqs)
+        was = (manifest.get("seed"), manifest.get("mix", "proportional"))
+        if was != (seed, mix):
+            raise SpecJaxError(f"{out_dir} was written with seed {was[0]} and mix {was[1]!r}: extend "
+                               "it with the same settings, or write a new set to another --out")
     todo = prompts[done:num_prompts]
     t0 = time.time()
     new_tokens = 0
@@ -60,12 +106,12 @@ def distill(target, data_dir, out_dir, num_prompts=1000, max_new_tokens=160, bat
         bar.update(len(chunk))
         bar.set_postfix(tok_s=f"{new_tokens / (time.time() - t0):.0f}")
         if (i // batch_size) % 8 == 7 or i + batch_size >= len(todo):
-            _write(out_dir, seqs, plens, target, data_dir, max_new_tokens, temperature, seed)
+            _write(out_dir, seqs, plens, target, data_dir, max_new_tokens, temperature, seed, mix)
     bar.close()
     return out_dir
 
 
-def _write(out_dir, seqs, plens, target, data_dir, max_new_tokens, temperature, seed):
+def _write(out_dir, seqs, plens, target, data_dir, max_new_tokens, temperature, seed, mix):
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / "tokens.tmp.npz"
     np.savez(tmp, prompt_len=np.asarray(plens, np.int32), **{f"s{i}": s for i, s in enumerate(seqs)})
@@ -74,6 +120,6 @@ def _write(out_dir, seqs, plens, target, data_dir, max_new_tokens, temperature, 
                 "response_tokens": int(sum(len(s) - p for s, p in zip(seqs, plens))),
                 "prompt_source": str(data_dir), "target": str(target.path),
                 "target_fingerprint": target.fingerprint(), "max_new_tokens": max_new_tokens,
-                "temperature": temperature, "seed": seed, "chat_template": True}
+                "temperature": temperature, "seed": seed, "mix": mix, "chat_template": True}
     (out_dir / "manifest.tmp.json").write_text(json.dumps(manifest, indent=2))
     (out_dir / "manifest.tmp.json").replace(out_dir / "manifest.json")

@@ -122,17 +122,27 @@ def make_loss(heads: DraftHeads, tcfg, cfg: TrainConfig):
 
 
 def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, resume=False,
-          progress=True, stop_after: int | None = None, log=print):
-    """Train heads of cfg.method on `data` (from `feature_cache`). Returns (DraftHeads, history)."""
+          progress=True, stop_after: int | None = None, log=print, init: DraftHeads | None = None):
+    """Train heads of cfg.method on `data` (from `feature_cache`). Returns (DraftHeads, history).
+
+    init: heads to start from (fine-tuning on new data) instead of random ones; their
+    hyper-parameters and draft vocabulary are kept."""
     import orbax.checkpoint as ocp
 
-    extra = dict(cfg.hparams)
-    v = target.cfg.vocab_size
-    size = extra.get("draft_vocab", cfg.draft_vocab) or v
-    if cfg.method == "eagle3" or size < v:  # EAGLE-3's own LM head always has a draft vocabulary
-        vocab = frequent_tokens(data["tokens"], data["mask"], min(size, v), v)
-        extra.update(draft_vocab=len(vocab), d2t=vocab)
-    heads = init_draft(target, cfg.method, seed=cfg.seed, **extra)
+    if init is not None:
+        if init.method != cfg.method:
+            raise SpecJaxError(f"--init heads are {init.method}, not {cfg.method}: start from heads "
+                               "of the method being trained")
+        init.check_target(target)
+        heads = DraftHeads(init.method, dict(init.params), dict(init.hparams), init.target_info)
+    else:
+        extra = dict(cfg.hparams)
+        v = target.cfg.vocab_size
+        size = extra.get("draft_vocab", cfg.draft_vocab) or v
+        if cfg.method == "eagle3" or size < v:  # EAGLE-3's own LM head always has a draft vocabulary
+            vocab = frequent_tokens(data["tokens"], data["mask"], min(size, v), v)
+            extra.update(draft_vocab=len(vocab), d2t=vocab)
+        heads = init_draft(target, cfg.method, seed=cfg.seed, **extra)
     heads.params = heads.bind(target)
     trainable, frozen = split_params(heads.params)
     sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1),
@@ -217,9 +227,11 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
         mngr.wait_until_finished()
         mngr.close()
     heads.params = {**trainable, **frozen}
-    heads.hparams["training"] = {"steps": cfg.steps, "batch_size": cfg.batch_size,
-                                 "seq_len": cfg.seq_len, "lr": cfg.lr, "seed": cfg.seed,
-                                 "wall_seconds": round(time.time() - t0, 1)}
+    run = {"steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "lr": cfg.lr,
+           "seed": cfg.seed, "wall_seconds": round(time.time() - t0, 1)}
+    if init is not None:  # keep the record of the runs it was fine-tuned from
+        run["init"] = init.hparams.get("training")
+    heads.hparams["training"] = run
     if out_dir is not None and end == cfg.steps:
         save_draft(heads, out_dir, force=True)
     return heads, history
@@ -228,22 +240,22 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
 def train_cli(a):
     """`spec-jax train`: distilled data -> feature cache -> training -> heads in --out."""
     import spec_jax
-    from spec_jax.train.distill import load_distill
+    from spec_jax.train.distill import load_sets
 
     target = spec_jax.load_target(a.model)
     out = Path(a.out)
     if out.exists() and (out / "spec_jax.json").exists() and not (a.resume or a.force):
         raise SpecJaxError(f"{out} already holds heads: pass --force to retrain or --resume")
-    seqs, plens, manifest = load_distill(a.data)
-    if manifest.get("target_fingerprint") not in (None, target.fingerprint()):
-        raise SpecJaxError(f"{a.data} was distilled from another target: distill data for this one")
+    seqs, plens, manifest = load_sets(a.data, target)
     aux_layers = target.cfg.eagle3_layers if a.method == "eagle3" else ()
     t0 = time.time()
     toks, mask, feats, aux = feature_cache(target, seqs, plens, a.seq_len, aux_layers)
     print(f"feature cache: {len(toks)} sequences x {a.seq_len} tokens in {time.time() - t0:.1f}s")
     cfg = TrainConfig(method=a.method, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len,
                       lr=a.lr, seed=a.seed, draft_vocab=a.draft_vocab)
+    init = spec_jax.load_draft(a.init) if a.init else None
     heads, hist = train(target, {"tokens": toks, "mask": mask, "feats": feats, "aux": aux}, cfg,
-                        out_dir=out, ckpt_dir=out.parent / f".{out.name}.ckpt", resume=a.resume)
+                        out_dir=out, ckpt_dir=out.parent / f".{out.name}.ckpt", resume=a.resume,
+                        init=init)
     (out / "train_log.json").write_text(json.dumps({"manifest": manifest, "history": hist}, indent=1))
     print(f"wrote {out}")
