@@ -4,7 +4,9 @@
 (METHOD:STEPS overrides --steps for that method.)
 Writes checkpoints/<model-name>-<method>/ (or under --out-root) with a train_log.json beside the heads;
 Orbax checkpoints for --resume go to <that folder>.ckpt/. --features DIR keeps the target's
-features on disk, so a second run (another method, more steps) skips the target pass.
+features of each data set on disk (DIR/<set>-<samples>/), so a second run (another method, more
+steps, another set added) skips the target pass over the sets it has seen. Several --data sets
+are concatenated; the end of the last is held out. --init fine-tunes existing heads.
 """
 import argparse
 import json
@@ -15,7 +17,7 @@ import numpy as np
 
 import spec_jax
 from spec_jax.errors import SpecJaxError
-from spec_jax.train.distill import load_sets
+from spec_jax.train.distill import load_distill, load_sets
 from spec_jax.train.loop import TrainConfig, feature_cache, train
 
 LR = {"eagle": 2e-3, "eagle3": 2e-3, "medusa": 2e-3, "mtp": 2e-3}
@@ -31,6 +33,7 @@ def main():
     ap.add_argument("--batch-size", type=int, default=8)
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--draft-vocab", type=int, default=8192)
+    ap.add_argument("--lr", type=float, help="peak learning rate (default: 2e-3 for every method)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--out-root", help="write <out-root>/<model-name>-<method> (default: beside the model)")
     ap.add_argument("--features", help="folder to keep (or reuse) the target's features in")
@@ -45,15 +48,18 @@ def main():
             raise SpecJaxError(f"{ckpt} already holds checkpoints: pass --resume, or remove it")
     target = spec_jax.load_target(a.model)
     inits = {h.method: h for h in map(spec_jax.load_draft, a.init)}
-    seqs, plens, manifest = load_sets(a.data, target)
+    load_sets(a.data, target)  # checks every set before the first target pass
     t0 = time.time()
     aux_layers = target.cfg.eagle3_layers if any(m == "eagle3" for m, _ in methods) else ()
-    toks, mask, feats, aux = _features(target, seqs, plens, a.seq_len, aux_layers, a.features)
+    parts = [_features(target, d, a.seq_len, aux_layers, a.features) for d in a.data]
+    manifest = [p[0] for p in parts]
+    toks, mask, feats, aux = (np.concatenate([p[1][k] for p in parts]) if parts[0][1][k] is not None
+                              else None for k in range(4))
     print(f"feature cache: {len(toks)} x {a.seq_len} tokens in {time.time() - t0:.0f}s", flush=True)
     for m, steps in methods:
         data = {"tokens": toks, "mask": mask, "feats": feats, "aux": aux if m == "eagle3" else None}
         cfg = TrainConfig(method=m, steps=steps, batch_size=a.batch_size,
-                          seq_len=a.seq_len, lr=LR[m], draft_vocab=a.draft_vocab)
+                          seq_len=a.seq_len, lr=a.lr or LR[m], draft_vocab=a.draft_vocab)
         out = outs[m]
         heads, hist = train(target, data, cfg, out_dir=out, ckpt_dir=ckpts[m],
                             resume=a.resume, init=inits.get(m))
@@ -62,16 +68,22 @@ def main():
         print(f"{m}: {hist[-1]} -> {out}", flush=True)
 
 
-def _features(target, seqs, plens, seq_len, aux_layers, folder):
-    """feature_cache, kept in `folder` (numpy files) when given and reused when it matches."""
+def _features(target, data_dir, seq_len, aux_layers, folder):
+    """(manifest, feature_cache of one distilled set), kept under `folder` (one numpy folder per
+    set) when given, and reused when it matches (a folder with the fused EAGLE-3 features also
+    serves methods that need none)."""
     names = ("tokens", "mask", "feats", "aux")
+    seqs, plens, manifest = load_distill(data_dir)
     if folder:
-        f = Path(folder)
+        f = Path(folder) / f"{Path(data_dir).resolve().name}-{len(seqs)}"
         meta = {"target": target.fingerprint(), "n": len(seqs), "seq_len": seq_len,
                 "aux_layers": list(aux_layers)}
-        if (f / "meta.json").is_file() and json.loads((f / "meta.json").read_text()) == meta:
-            return tuple(np.load(f / f"{n}.npy", mmap_mode="r") if (f / f"{n}.npy").is_file()
-                         else None for n in names)
+        if (f / "meta.json").is_file():
+            have = json.loads((f / "meta.json").read_text())
+            if have == meta or (not aux_layers and have == {**meta, "aux_layers": have["aux_layers"]}):
+                return manifest, tuple(np.load(f / f"{n}.npy", mmap_mode="r")
+                                       if (n != "aux" or aux_layers) and (f / f"{n}.npy").is_file()
+                                       else None for n in names)
     arrays = feature_cache(target, seqs, plens, seq_len, aux_layers)
     if folder:
         f.mkdir(parents=True, exist_ok=True)
@@ -79,7 +91,7 @@ def _features(target, seqs, plens, seq_len, aux_layers, folder):
             if x is not None:
                 np.save(f / f"{n}.npy", x)
         (f / "meta.json").write_text(json.dumps(meta))  # written last: marks the folder complete
-    return arrays
+    return manifest, arrays
 
 
 if __name__ == "__main__":
