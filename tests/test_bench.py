@@ -100,6 +100,9 @@ def test_sized_tree_is_cached_per_heads(tiny_target, tmp_path, monkeypatch):
     tree, report = size_tree(tiny_target, heads, [[1, 2, 3, 4], [5, 6, 7]], max_new_tokens=8,
                              sizes=(2, 4), progress=False)
     assert report["measured"][0]["tree"] == PLAIN
+    for m in report["measured"]:  # two runs each; the faster counts
+        assert len(m["runs_tokens_per_second"]) == 2
+        assert m["tokens_per_second"] == max(m["runs_tokens_per_second"])
     assert tree == max(report["measured"], key=lambda m: m["tokens_per_second"])["tree"]
     assert report["profile_positions"] > 0 and all(c["size"] in (2, 4) for c in report["curve"])
     assert cached_tree(tiny_target, heads) == tree
