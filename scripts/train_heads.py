@@ -17,7 +17,7 @@ import numpy as np
 
 import spec_jax
 from spec_jax.errors import SpecJaxError
-from spec_jax.train.distill import load_distill, load_sets
+from spec_jax.train.distill import check_source, load_distill
 from spec_jax.train.loop import TrainConfig, feature_cache, train
 
 LR = {"eagle": 2e-3, "eagle3": 2e-3, "medusa": 2e-3, "mtp": 2e-3}
@@ -48,12 +48,15 @@ def main():
             raise SpecJaxError(f"{ckpt} already holds checkpoints: pass --resume, or remove it")
     target = spec_jax.load_target(a.model)
     inits = {h.method: h for h in map(spec_jax.load_draft, a.init)}
-    load_sets(a.data, target)  # checks every set before the first target pass
+    sets = [load_distill(d) for d in a.data]
+    for d, (_, _, m) in zip(a.data, sets):  # every set is checked before the first target pass
+        check_source(d, m, target)
     t0 = time.time()
     aux_layers = target.cfg.eagle3_layers if any(m == "eagle3" for m, _ in methods) else ()
-    parts = [_features(target, d, a.seq_len, aux_layers, a.features) for d in a.data]
-    manifest = [p[0] for p in parts]
-    toks, mask, feats, aux = (np.concatenate([p[1][k] for p in parts]) if parts[0][1][k] is not None
+    parts = [_features(target, d, seqs, plens, a.seq_len, aux_layers, a.features)
+             for d, (seqs, plens, _) in zip(a.data, sets)]
+    manifest = [m for _, _, m in sets]
+    toks, mask, feats, aux = (np.concatenate([p[k] for p in parts]) if parts[0][k] is not None
                               else None for k in range(4))
     print(f"feature cache: {len(toks)} x {a.seq_len} tokens in {time.time() - t0:.0f}s", flush=True)
     for m, steps in methods:
@@ -68,12 +71,11 @@ def main():
         print(f"{m}: {hist[-1]} -> {out}", flush=True)
 
 
-def _features(target, data_dir, seq_len, aux_layers, folder):
-    """(manifest, feature_cache of one distilled set), kept under `folder` (one numpy folder per
-    set) when given, and reused when it matches (a folder with the fused EAGLE-3 features also
-    serves methods that need none)."""
+def _features(target, data_dir, seqs, plens, seq_len, aux_layers, folder):
+    """feature_cache of one distilled set, kept under `folder` (one numpy folder per set) when
+    given, and reused when it matches (a folder with the fused EAGLE-3 features also serves
+    methods that need none)."""
     names = ("tokens", "mask", "feats", "aux")
-    seqs, plens, manifest = load_distill(data_dir)
     if folder:
         f = Path(folder) / f"{Path(data_dir).resolve().name}-{len(seqs)}"
         meta = {"target": target.fingerprint(), "n": len(seqs), "seq_len": seq_len,
@@ -81,9 +83,9 @@ def _features(target, data_dir, seq_len, aux_layers, folder):
         if (f / "meta.json").is_file():
             have = json.loads((f / "meta.json").read_text())
             if have == meta or (not aux_layers and have == {**meta, "aux_layers": have["aux_layers"]}):
-                return manifest, tuple(np.load(f / f"{n}.npy", mmap_mode="r")
-                                       if (n != "aux" or aux_layers) and (f / f"{n}.npy").is_file()
-                                       else None for n in names)
+                return tuple(np.load(f / f"{n}.npy", mmap_mode="r")
+                             if (n != "aux" or aux_layers) and (f / f"{n}.npy").is_file()
+                             else None for n in names)
     arrays = feature_cache(target, seqs, plens, seq_len, aux_layers)
     if folder:
         f.mkdir(parents=True, exist_ok=True)
@@ -91,7 +93,7 @@ def _features(target, data_dir, seq_len, aux_layers, folder):
             if x is not None:
                 np.save(f / f"{n}.npy", x)
         (f / "meta.json").write_text(json.dumps(meta))  # written last: marks the folder complete
-    return manifest, arrays
+    return arrays
 
 
 if __name__ == "__main__":

@@ -54,14 +54,20 @@ def load_distill(path) -> tuple[list[np.ndarray], list[int], dict]:
     return [z[f"s{i}"] for i in range(n)], [int(x) for x in z["prompt_len"][:n]], manifest
 
 
+def check_source(path, manifest: dict, target) -> None:
+    """Refuse a set distilled from another target."""
+    if manifest.get("target_fingerprint") not in (None, target.fingerprint()):
+        raise SpecJaxError(f"{path} was distilled from another target: distill data for this one")
+
+
 def load_sets(paths, target=None) -> tuple[list[np.ndarray], list[int], list[dict]]:
     """Several distilled sets concatenated in the given order (training holds out the end of the
     last one); with `target`, each must have been distilled from it."""
     seqs, plens, manifests = [], [], []
     for path in ([paths] if isinstance(paths, (str, Path)) else paths):
         s, p, m = load_distill(path)
-        if target is not None and m.get("target_fingerprint") not in (None, target.fingerprint()):
-            raise SpecJaxError(f"{path} was distilled from another target: distill data for this one")
+        if target is not None:
+            check_source(path, m, target)
         seqs += s
         plens += p
         manifests.append(m)
