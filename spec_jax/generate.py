@@ -11,7 +11,7 @@ import numpy as np
 
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter
-from spec_jax.step import FINISH_LENGTH, FINISH_STOP, LoopSettings, compiled_loop
+from spec_jax.step import FINISH_LENGTH, FINISH_STOP, LoopSettings, compiled_loop, loop_precision
 from spec_jax.target import Target
 
 FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
@@ -61,7 +61,7 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1) -> tuple[Drafte
 def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 128, *,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
              draft=None, tree=None, attn_impl: str = "xla", stop_at_eos: bool = True,
-             accept_rule: str = "exact") -> GenerationResult:
+             accept_rule: str = "exact", precision: str | None = None) -> GenerationResult:
     """Generate up to max_new_tokens after `prompt` (a string, or a list of token ids).
 
     draft: None (plain decoding), "ngram", or heads from `init_draft`/`load_draft`.
@@ -70,17 +70,20 @@ def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 
     "dynamic:TOP_K,DEPTH,TOTAL", "mc_sim_7b_63", "medusa", "chain:N", or a list of paths.
     Greedy speculative output equals plain greedy output; at temperature > 0 the output
     distribution equals the target's.
+    precision: matmul precision of the compiled loop; None is "highest" for float32 targets (on
+    GPUs the default TF32 made speculative output drift from plain decoding) and the backend's
+    default otherwise; "default" trades that exactness for TF32 speed.
     """
     batch = generate_batch(target, [prompt], max_new_tokens, temperature=temperature, top_p=top_p,
                            seed=seed, chat=chat, draft=draft, tree=tree, attn_impl=attn_impl,
-                           stop_at_eos=stop_at_eos, accept_rule=accept_rule)
+                           stop_at_eos=stop_at_eos, accept_rule=accept_rule, precision=precision)
     return batch[0]
 
 
 def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128, *,
                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
                    draft=None, tree=None, attn_impl: str = "xla", stop_at_eos: bool = True,
-                   accept_rule: str = "exact") -> list[GenerationResult]:
+                   accept_rule: str = "exact", precision: str | None = None) -> list[GenerationResult]:
     """Like `generate` for several prompts at once (one batch, per-row lengths and acceptance)."""
     if max_new_tokens < 1:
         raise SpecJaxError("max_new_tokens must be at least 1")
@@ -109,11 +112,13 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128,
             cache, jax.random.PRNGKey(seed), jnp.float32(temperature), jnp.float32(top_p))
     dsig = (jax.tree.structure(dparams),
             tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(dparams)))
-    ck = ("loop", drafter, settings, b, p_pad, n_slots, dsig)
+    precision = loop_precision(target.cfg, precision)
+    ck = ("loop", drafter, settings, b, p_pad, n_slots, dsig, precision)
     compile_s = 0.0
     if ck not in target.compiled:
         t0 = time.perf_counter()
-        target.compiled[ck] = compiled_loop(target.cfg, drafter, settings).lower(*args).compile()
+        with jax.default_matmul_precision(precision):
+            target.compiled[ck] = compiled_loop(target.cfg, drafter, settings).lower(*args).compile()
         compile_s = time.perf_counter() - t0
     fn = target.compiled[ck]
     t0 = time.perf_counter()

@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_jax.step import loop_precision
+
 # Generic calibration prompts (chat, code, maths, writing) for `auto` on first use.
 DEFAULT_PROMPTS = [
     "Give three tips for staying healthy and explain each in two sentences.",
@@ -188,7 +190,7 @@ def best_trees(profile: list[np.ndarray], sizes=TREE_SIZES) -> list[dict]:
 # ---- 2. costs ----
 
 def verify_latency(target, sizes, batch: int = 1, fill: int = 256, iters: int = 8,
-                   repeats: int = 3) -> dict:
+                   repeats: int = 3, attn_impl: str = "xla") -> dict:
     """Seconds of one target forward over T block tokens against `fill` cached tokens, as it runs
     inside the generation loop: `iters` dependent forwards in one `fori_loop` (so per-call dispatch
     is not counted), per forward, best of `repeats`."""
@@ -204,13 +206,15 @@ def verify_latency(target, sizes, batch: int = 1, fill: int = 256, iters: int = 
 
         def run(params, cache, toks, t=t):
             def body(_, tk):  # the next block depends on this one's logits: no hoisting
-                logits = forward(params, cfg, tk, pos, cache, causal_mask(batch, t)).logits
+                logits = forward(params, cfg, tk, pos, cache, causal_mask(batch, t),
+                                 attn_impl=attn_impl).logits
                 return jnp.argmax(logits, -1).astype(jnp.int32)
 
             return jax.lax.fori_loop(0, iters, body, toks)
 
-        out[t] = _best_time(jax.jit(run), (target.params, cache, jnp.zeros((batch, t), jnp.int32)),
-                            repeats) / iters
+        with jax.default_matmul_precision(loop_precision(cfg)):  # as generate compiles it
+            out[t] = _best_time(jax.jit(run), (target.params, cache,
+                                               jnp.zeros((batch, t), jnp.int32)), repeats) / iters
     return out
 
 
@@ -250,8 +254,9 @@ def draft_latency(target, heads, tree, batch: int = 1, fill: int = 256, iters: i
         return jax.lax.fori_loop(0, n, body, (prefill(dparams, tparams), jnp.ones((batch,), jnp.int32)))
 
     f = jax.jit(steps, static_argnums=2)
-    whole = _best_time(f, (dparams, target.params, iters), repeats)
-    once = _best_time(f, (dparams, target.params, 0), repeats)  # prefill alone
+    with jax.default_matmul_precision(loop_precision(cfg)):  # as generate compiles it
+        whole = _best_time(f, (dparams, target.params, iters), repeats)
+        once = _best_time(f, (dparams, target.params, 0), repeats)  # prefill alone
     return max(whole - once, 0.0) / iters
 
 

@@ -37,6 +37,19 @@ class LoopSettings:
     accept_rule: str = "exact"
 
 
+def loop_precision(cfg: ModelConfig, precision: str | None = None) -> str:
+    """Matmul precision the loop is compiled under: `precision`, or for None "highest" for float32
+    targets and the backend's "default" otherwise.
+
+    On NVIDIA GPUs the default runs float32 matmuls in TF32, whose rounding differs between a
+    one-token pass and a tree-sized pass; on an H200 greedy speculative output then drifted from
+    plain greedy output (first difference at token 169 of 256), and matched it under "highest"
+    (scripts/gpu_check.py, docs/gpu.md). On CPU both are the same float32 arithmetic."""
+    if precision is not None:
+        return precision
+    return "highest" if cfg.dtype == "float32" else "default"
+
+
 @flax.struct.dataclass
 class LoopState:
     cache: KVCache

@@ -66,3 +66,21 @@ def test_bad_input_raises_clear_errors(tiny_target):
         spec_jax.generate(tiny_target, "hello", 4)
     with pytest.raises(SpecJaxError, match="unknown draft"):
         spec_jax.generate(tiny_target, [1], 4, draft="nonsense")
+
+
+def test_matmul_precision_of_the_loop(tiny_target):
+    """float32 targets compile their loop under "highest" (TF32 on GPUs broke plain/speculative
+    equality); an explicit precision is its own compiled loop; bfloat16 keeps the default."""
+    import dataclasses
+
+    from spec_jax.step import loop_precision
+
+    cfg = tiny_target.cfg
+    assert loop_precision(cfg) == "highest"
+    assert loop_precision(dataclasses.replace(cfg, dtype="bfloat16")) == "default"
+    assert loop_precision(cfg, "default") == "default"
+    t = spec_jax.random_target(cfg, seed=0, scale=0.3)
+    a = spec_jax.generate(t, [1, 2, 3], 6, stop_at_eos=False)
+    b = spec_jax.generate(t, [1, 2, 3], 6, stop_at_eos=False, precision="default")
+    assert a.token_ids == b.token_ids  # the same float32 arithmetic on CPU
+    assert sorted(k[-1] for k in t.compiled) == ["default", "highest"]
