@@ -148,3 +148,15 @@ def test_distill_refuses_eval_prompts_and_a_changed_mix(tmp_path):
     np.savez(out / "tokens.npz", prompt_len=np.zeros((0,), np.int32))
     with pytest.raises(SpecJaxError, match="mix 'proportional'"):
         distill(None, _prompt_dir(tmp_path), out, mix="balanced")
+
+
+def test_eagle_training_time_test_trains_the_later_steps(toy):
+    """eagle_ttt_steps > 1 unrolls EAGLE-1/2 heads in training as EAGLE-3 does: the second draft
+    step, fed the head's own features, is trained and evaluated too."""
+    target, _, seqs = toy
+    data = data_for(target, seqs, "eagle")
+    cfg = TrainConfig(method="eagle", steps=150, batch_size=8, seq_len=SEQ, lr=3e-3, warmup=10,
+                      eagle_ttt_steps=2, hparams=tuple(HP["eagle"].items()))
+    heads, hist = train(target, data, cfg, progress=False)
+    assert hist[0]["acc2"] < 0.3 and hist[-1]["eval_acc2"] > 0.6
+    assert heads.hparams["training"]["ttt_steps"] == 2

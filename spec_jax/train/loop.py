@@ -39,7 +39,10 @@ class TrainConfig:
     weight_decay: float = 0.0
     clip: float = 0.5
     seed: int = 0
-    ttt_steps: int = 3  # unrolled draft steps (EAGLE-3, MTP)
+    ttt_steps: int = 3  # unrolled draft steps (EAGLE-3)
+    # EAGLE-1/2 draft steps unrolled in training: 1 is the paper's recipe; more adds EAGLE-3's
+    # training-time test (later steps feed back the head's own features, cross-entropy only)
+    eagle_ttt_steps: int = 1
     noise: float = 0.1  # uniform feature noise (EAGLE-1/2)
     decay: float = 0.8
     save_every: int = 200
@@ -112,7 +115,8 @@ def make_loss(heads: DraftHeads, tcfg, cfg: TrainConfig):
         return lambda dp, tp, batch, key: losses.medusa_loss(dp, tp, tcfg, batch, n, cfg.decay)
     drafter = heads.drafter()
     if method == "eagle":
-        kw = dict(steps=1, noise=cfg.noise, feat_loss_weight=1.0, ce_weight=0.1, decay=cfg.decay)
+        kw = dict(steps=cfg.eagle_ttt_steps, noise=cfg.noise, feat_loss_weight=1.0, ce_weight=0.1,
+                  decay=cfg.decay)
     else:  # eagle3 and mtp: unrolled, cross-entropy only
         steps = cfg.ttt_steps if method == "eagle3" else heads.hparams.get("depth", 3)
         kw = dict(steps=steps, noise=0.0, feat_loss_weight=0.0, ce_weight=1.0,
@@ -229,6 +233,8 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
     heads.params = {**trainable, **frozen}
     run = {"steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "lr": cfg.lr,
            "seed": cfg.seed, "wall_seconds": round(time.time() - t0, 1)}
+    if heads.method in ("eagle", "eagle3"):
+        run["ttt_steps"] = cfg.eagle_ttt_steps if heads.method == "eagle" else cfg.ttt_steps
     if init is not None:  # keep the record of the runs it was fine-tuned from
         run["init"] = init.hparams.get("training")
     heads.hparams["training"] = run
