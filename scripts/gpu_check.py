@@ -17,7 +17,9 @@ Sections:
   5. kernel timings at serving shapes (cache 4k and 32k slots).
   6. bfloat16 and batch 4; 7. the 1B-shaped target.
 
-    python scripts/gpu_check.py --out DIR [--budget 420] [--quick]   (--quick: tiny shapes, CPU)
+    SPEC_JAX_DEFAULT_XLA_FLAGS=0 python scripts/gpu_check.py --out DIR [--budget 420]
+        [--sections 1_,5b,8_] [--quick]      (--quick: tiny shapes, a dry run on CPU)
+Results of one H200 lease: docs/gpu.md.
 """
 import argparse
 import json
@@ -277,8 +279,9 @@ def main():
     run.section("2_verify_cost_smollm2_f32", lambda: verify_cost(target(), impls), 40)
     run.section("3_generation_smollm2_f32", lambda: generation(
         target(), impls[-1:], ("eagle", "eagle3", "ngram", "medusa", "mtp"), a.quick, tokens=tokens), 90)
-    run.section("3b_generation_smollm2_f32_xla", lambda: generation(
-        target(), ("xla",), ("eagle",), a.quick, tokens=tokens), 60) if acc else None
+    if acc:  # the XLA attention path too (on CPU section 3 already used it)
+        run.section("3b_generation_smollm2_f32_xla", lambda: generation(
+            target(), ("xla",), ("eagle",), a.quick, tokens=tokens), 60)
     run.section("4_draft_cost_smollm2_f32", lambda: draft_cost(target(), a.quick), 40)
     run.section("5_kernel_timing", lambda: kernel_timing(a.quick), 40)
     run.section("5b_kernel_timing_long", lambda: kernel_timing(a.quick, (32768,), (1, 8, 32)), 30)
