@@ -19,6 +19,7 @@ import jax.numpy as jnp
 
 from spec_jax.cache import KVCache, commit
 from spec_jax.config import ModelConfig
+from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
 from spec_jax.models.llama import causal_mask, forward, lm_head
 from spec_jax.verify import sample_token, verify
@@ -37,6 +38,9 @@ class LoopSettings:
     accept_rule: str = "exact"
 
 
+PRECISIONS = ("default", "high", "highest")
+
+
 def loop_precision(cfg: ModelConfig, precision: str | None = None) -> str:
     """Matmul precision the loop is compiled under: `precision`, or for None "highest" for float32
     targets and the backend's "default" otherwise.
@@ -45,9 +49,11 @@ def loop_precision(cfg: ModelConfig, precision: str | None = None) -> str:
     one-token pass and a tree-sized pass; on an H200 greedy speculative output then drifted from
     plain greedy output (first difference at token 169 of 256), and matched it under "highest"
     (scripts/gpu_check.py, docs/gpu.md). On CPU both are the same float32 arithmetic."""
-    if precision is not None:
-        return precision
-    return "highest" if cfg.dtype == "float32" else "default"
+    if precision is None:
+        return "highest" if cfg.dtype == "float32" else "default"
+    if precision not in PRECISIONS:
+        raise SpecJaxError(f"unknown precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
+    return precision
 
 
 @flax.struct.dataclass

@@ -79,6 +79,8 @@ def test_matmul_precision_of_the_loop(tiny_target):
     assert loop_precision(cfg) == "highest"
     assert loop_precision(dataclasses.replace(cfg, dtype="bfloat16")) == "default"
     assert loop_precision(cfg, "default") == "default"
+    with pytest.raises(SpecJaxError, match="unknown precision 'fast'"):
+        spec_jax.generate(tiny_target, [1, 2, 3], 4, precision="fast")
     t = spec_jax.random_target(cfg, seed=0, scale=0.3)
     a = spec_jax.generate(t, [1, 2, 3], 6, stop_at_eos=False)
     b = spec_jax.generate(t, [1, 2, 3], 6, stop_at_eos=False, precision="default")
