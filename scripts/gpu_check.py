@@ -78,19 +78,16 @@ class Run:
 
 def loop_time(f, x0, reps: int = 3) -> float:
     """Seconds per call of f inside one fori_loop of n dependent calls (no per-call dispatch)."""
+    from spec_jax.sizing import _best_time
+
     n = 20
+    run = jax.jit(lambda x: jax.lax.fori_loop(0, n, lambda _, y: f(y), x))
+    return _best_time(run, (x0,), reps) / n
 
-    @jax.jit
-    def run(x):
-        return jax.lax.fori_loop(0, n, lambda _, y: f(y), x)
 
-    jax.block_until_ready(run(x0))
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(x0))
-        best = min(best, time.perf_counter() - t0)
-    return best / n
+def pallas_impl() -> str:
+    """The Pallas attention this backend runs: compiled on GPU/TPU, interpreted on CPU."""
+    return "pallas" if jax.default_backend() in ("gpu", "tpu") else "pallas_interpret"
 
 
 def attn_inputs(b, t, kvh, g, d, s, lengths, dtype, seed):
@@ -104,7 +101,7 @@ def attn_inputs(b, t, kvh, g, d, s, lengths, dtype, seed):
 
 
 def kernels(quick):
-    impl = "pallas" if jax.default_backend() in ("gpu", "tpu") else "pallas_interpret"
+    impl = pallas_impl()
     cases = [(1, 1, 3, 3, 64, 1024, [700]), (2, 8, 3, 3, 64, 2048, [1500, 37]),
              (3, 32, 8, 4, 128, 4096, [4096, 0, 2900]), (2, 64, 3, 3, 64, 1000, [999, 400])]
     if quick:
@@ -232,7 +229,7 @@ def draft_cost(target, quick):
 
 
 def kernel_timing(quick, slots=(4096, 32768), ts=(1, 8, 32, 64)):
-    impl = "pallas" if jax.default_backend() in ("gpu", "tpu") else "pallas_interpret"
+    impl = pallas_impl()
     layouts = {"smollm2": (3, 3, 64), "llama3-8b": (8, 4, 128)}
     rows = []
     print("| layout | slots (written) | T | xla us | pallas us | pallas / xla |")

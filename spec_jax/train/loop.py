@@ -108,17 +108,26 @@ def batch_indices(n: int, batch: int, step: int, seed: int) -> np.ndarray:
     return perm[k * batch:(k + 1) * batch]
 
 
+def unrolled_steps(heads: DraftHeads, cfg: TrainConfig) -> int:
+    """Draft steps a feature drafter is unrolled for in training (EAGLE, EAGLE-3, MTP)."""
+    if heads.method == "eagle":
+        return cfg.eagle_ttt_steps
+    if heads.method == "eagle3":
+        return cfg.ttt_steps
+    return heads.hparams.get("depth", 3)
+
+
 def make_loss(heads: DraftHeads, tcfg, cfg: TrainConfig):
     method = heads.method
     if method == "medusa":
         n = heads.hparams["num_heads"]
         return lambda dp, tp, batch, key: losses.medusa_loss(dp, tp, tcfg, batch, n, cfg.decay)
     drafter = heads.drafter()
+    steps = unrolled_steps(heads, cfg)
     if method == "eagle":
-        kw = dict(steps=cfg.eagle_ttt_steps, noise=cfg.noise, feat_loss_weight=1.0, ce_weight=0.1,
+        kw = dict(steps=steps, noise=cfg.noise, feat_loss_weight=1.0, ce_weight=0.1,
                   decay=cfg.decay)
     else:  # eagle3 and mtp: unrolled, cross-entropy only
-        steps = cfg.ttt_steps if method == "eagle3" else heads.hparams.get("depth", 3)
         kw = dict(steps=steps, noise=0.0, feat_loss_weight=0.0, ce_weight=1.0,
                   decay=cfg.decay if method == "eagle3" else 1.0)
     return lambda dp, tp, batch, key: losses.feature_unrolled(drafter, dp, tp, tcfg, batch, key=key,
@@ -234,7 +243,7 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
     run = {"steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "lr": cfg.lr,
            "seed": cfg.seed, "wall_seconds": round(time.time() - t0, 1)}
     if heads.method in ("eagle", "eagle3"):
-        run["ttt_steps"] = cfg.eagle_ttt_steps if heads.method == "eagle" else cfg.ttt_steps
+        run["ttt_steps"] = unrolled_steps(heads, cfg)
     if init is not None:  # keep the record of the runs it was fine-tuned from
         run["init"] = init.hparams.get("training")
     heads.hparams["training"] = run
