@@ -19,7 +19,8 @@ Sequoia's idea with measured costs, in three measurements:
    dynamic tree of the same top-k, depth and size) are then run end to end on the calibration
    prompts, and the fastest wins: speculation is chosen only where it measurably pays.
 
-The choice is cached per device kind, target, heads (method + weights fingerprint) and batch.
+The choice is cached per device kind, target (and its layer layout: packed CPU matmuls change every
+cost), heads (method + weights fingerprint) and batch.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ def cache_file() -> Path:
 
 def calibration_key(target, heads, batch: int) -> str:
     return (f"{jax.devices()[0].device_kind}|{target.fingerprint()}|{heads.method}:"
-            f"{heads.fingerprint()}|{batch}")
+            f"{heads.fingerprint()}|{target.layout}|{batch}")
 
 
 def _entry(target, heads, batch: int):

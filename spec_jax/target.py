@@ -58,6 +58,16 @@ class Target:
             return " ".join(map(str, ids))
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)
 
+    @property
+    def layout(self) -> str:
+        """How the layers are laid out for execution: "scan", "unrolled" or "packed"."""
+        layers = self.params["layers"]
+        if not isinstance(layers, (list, tuple)):
+            return "scan"
+        from pallas_kernels.cpu_gemm import PackedWeight
+
+        return "packed" if any(isinstance(w, PackedWeight) for w in layers[0].values()) else "unrolled"
+
     def new_cache(self, batch: int, num_slots: int):
         """An empty KV cache laid out like the parameters: per-layer buffers for unrolled layers."""
         from spec_jax.cache import cache_for
@@ -89,7 +99,9 @@ def load_target(path: str | Path, dtype: str | None = None, layers: str = "auto"
     """Load a spec_jax target checkpoint (written by `spec-jax convert` or `spec-jax fetch`).
 
     layers: "scan" (stacked, compile time independent of depth), "unrolled" (per-layer buffers,
-    faster decoding on CPU) or "auto" (unrolled on CPU, scan elsewhere)."""
+    faster decoding on CPU), "packed" (unrolled, float32 matrices in the CPU kernel's panel layout:
+    `pallas_kernels.cpu_gemm`) or "auto" (packed on CPU when the kernel builds and the weights are
+    float32, else unrolled on CPU; scan elsewhere)."""
     from spec_jax.io import load_params, read_meta
 
     path = Path(path)
@@ -100,18 +112,32 @@ def load_target(path: str | Path, dtype: str | None = None, layers: str = "auto"
     if dtype is not None and dtype != cfg.dtype:
         params = jax.tree.map(lambda a: a.astype(jnp.dtype(dtype)), params)
         cfg = dataclasses.replace(cfg, dtype=dtype)
-    if layers not in ("auto", "scan", "unrolled"):
-        raise SpecJaxError(f"layers must be auto, scan or unrolled, not {layers!r}")
-    if layers == "unrolled" or (layers == "auto" and jax.default_backend() == "cpu"):
-        from spec_jax.models.llama import unstack_layers
-
-        params = unstack_layers(params)
+    params = arrange_layers(params, cfg, layers)
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(str(path))
     return Target(cfg=cfg, params=params, tokenizer=tokenizer, path=path)
+
+
+def arrange_layers(params, cfg: ModelConfig, layers: str = "auto"):
+    """Lay the target's parameters out for execution (see `load_target`'s `layers`)."""
+    from pallas_kernels import cpu_gemm
+    from spec_jax.models.llama import pack_layers, unstack_layers
+
+    if layers not in ("auto", "scan", "unrolled", "packed"):
+        raise SpecJaxError(f"layers must be auto, scan, unrolled or packed, not {layers!r}")
+    if layers == "auto":
+        if jax.default_backend() != "cpu":
+            return params
+        layers = "packed" if cfg.dtype == "float32" and cpu_gemm.available() else "unrolled"
+    if layers == "packed":
+        if not cpu_gemm.available():
+            raise SpecJaxError("layers='packed' needs the CPU packed-matmul kernel, which could not "
+                               "be built here (it needs g++ and the CPU backend); use 'unrolled'")
+        return pack_layers(params)
+    return unstack_layers(params) if layers == "unrolled" else params
 
 
 def random_target(cfg: ModelConfig, seed: int = 0, scale: float = 0.02) -> Target:

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
 from spec_jax.heads.vocab import shared_head_weight, to_target_ids
+from pallas_kernels import cpu_gemm
 from spec_jax.models.llama import rms_norm
 from spec_jax.tree import MEDUSA_DEFAULT, StaticTree, static_tree_batch
 
@@ -42,8 +43,8 @@ def medusa_logits(dparams, tparams, tcfg, hidden):
     z = h + jax.nn.silu(jnp.einsum("bxh,khd->bkd", h, dparams["w"]) + dparams["b"])
     if "lm_heads" in dparams:
         return jnp.einsum("bkh,khv->bkv", z, dparams["lm_heads"], preferred_element_type=jnp.float32)
-    w = shared_head_weight(dparams, tparams, tcfg)  # over the draft vocabulary, if any
-    return jnp.dot(z, w.astype(z.dtype), preferred_element_type=jnp.float32)
+    # over the draft vocabulary, if any
+    return cpu_gemm.dot_f32(z, shared_head_weight(dparams, tparams, tcfg))
 
 
 @dataclasses.dataclass(frozen=True)

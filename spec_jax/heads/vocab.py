@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import cpu_gemm
 from spec_jax.models.llama import rms_norm
 
 DERIVED = ("lm_sub",)  # parameters rebuilt from the target, never saved or trained
@@ -36,8 +37,12 @@ def shared_head_weight(dparams, tparams, tcfg):
     """The target's LM head [H, Vd] over the heads' draft vocabulary ([H, V] without one)."""
     if "lm_sub" in dparams:
         return dparams["lm_sub"]
-    w = tparams["embed"].T if tcfg.tie_word_embeddings else tparams["lm_head"]
-    return jnp.take(w, dparams["d2t"], axis=1) if "d2t" in dparams else w
+    w = tparams["lm_head"] if "lm_head" in tparams else tparams["embed"].T  # packed on CPU
+    if "d2t" not in dparams:
+        return w
+    if isinstance(w, cpu_gemm.PackedWeight):
+        w = cpu_gemm.unpack(w)
+    return jnp.take(w, dparams["d2t"], axis=1)
 
 
 def bind_target(params: dict, tparams, tcfg) -> dict:
@@ -51,8 +56,7 @@ def bind_target(params: dict, tparams, tcfg) -> dict:
 def shared_head_logits(dparams, tparams, tcfg, hidden):
     """The target's final norm + LM head over the draft vocabulary: [..., H] -> f32 [..., Vd]."""
     h = rms_norm(hidden, tparams["final_norm"], tcfg.rms_norm_eps)
-    w = shared_head_weight(dparams, tparams, tcfg)
-    return jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    return cpu_gemm.dot_f32(h, shared_head_weight(dparams, tparams, tcfg))
 
 
 def to_target_ids(dparams, ids):

@@ -19,7 +19,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import tree_attention
+from pallas_kernels import cpu_gemm, tree_attention
+from pallas_kernels.cpu_gemm import matmul
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
 
@@ -97,8 +98,8 @@ def init_params(cfg: ModelConfig, key, scale: float = 0.02):
 def lm_head(params, cfg: ModelConfig, hidden):
     """Final norm + LM head: hidden [..., H] -> float32 logits [..., V]."""
     h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
-    w = params["embed"].T if cfg.tie_word_embeddings else params["lm_head"]
-    return jnp.dot(h, w.astype(h.dtype), preferred_element_type=jnp.float32)
+    w = params["lm_head"] if "lm_head" in params else params["embed"].T
+    return cpu_gemm.dot_f32(h, w)
 
 
 def embed(params, tokens):
@@ -113,18 +114,18 @@ def decoder_layer(lp, cfg: ModelConfig, x, positions, inv_freq, attend, input_no
     b, t, _ = x.shape
     d = cfg.head_dim
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps) if input_norm else x
-    q = h @ lp["wq"]
-    k = h @ lp["wk"]
-    v = h @ lp["wv"]
+    q = matmul(h, lp["wq"])
+    k = matmul(h, lp["wk"])
+    v = matmul(h, lp["wv"])
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = apply_rope(q.reshape(b, t, cfg.num_heads, d), positions, inv_freq)
     k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, d), positions, inv_freq)
     v = v.reshape(b, t, cfg.num_kv_heads, d)
     a = attend(q, k, v).reshape(b, t, cfg.num_heads * d)
-    x = x + a @ lp["wo"]
+    x = x + matmul(a, lp["wo"])
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+    x = x + matmul(jax.nn.silu(matmul(h, lp["w_gate"])) * matmul(h, lp["w_up"]), lp["w_down"])
     return x, k, v
 
 
@@ -185,6 +186,24 @@ def unstack_layers(params):
         return params
     n = next(iter(layers.values())).shape[0]
     return {**params, "layers": [{k: v[i] for k, v in layers.items()} for i in range(n)]}
+
+
+PACKED_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+
+
+def pack_layers(params):
+    """Unrolled layers with float32 matrices (and the LM head) in the CPU kernel's panel layout.
+
+    Decoding and verification then read each weight once, contiguously, for 1-64 rows (see
+    `pallas_kernels.cpu_gemm`). A tied LM head gets a packed copy of embed.T (+V*H floats)."""
+    params = unstack_layers(params)
+    pk = lambda w: cpu_gemm.pack(w) if cpu_gemm.packable(w) else w
+    out = {**params, "layers": [{k: pk(w) if k in PACKED_KEYS else w for k, w in lp.items()}
+                                for lp in params["layers"]]}
+    lm = params["lm_head"] if "lm_head" in params else params["embed"].T
+    if cpu_gemm.packable(lm):
+        out["lm_head"] = cpu_gemm.pack(lm)
+    return out
 
 
 def stack_layers(params):

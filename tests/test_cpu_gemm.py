@@ -1,0 +1,82 @@
+"""The CPU packed-matmul kernel (pallas_kernels/cpu_gemm.cc): exact enough, row-independent to the
+bit, differentiable through its fallback, and a packed target decodes exactly like an unrolled one."""
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spec_jax
+from pallas_kernels import cpu_gemm
+from spec_jax.models.llama import causal_mask, forward, pack_layers, unstack_layers
+from tests.conftest import tiny_config
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
+                                reason="the CPU kernel is built with the system C++ compiler")
+
+
+def test_kernel_builds_here():
+    assert cpu_gemm.available(), "g++ is installed, so the kernel must build and register"
+
+
+@pytest.mark.parametrize("k,n", [(64, 32), (576, 192), (200, 96)])
+def test_packed_matmul_is_exact_and_row_independent(k, n):
+    rng = np.random.default_rng(k + n)
+    w = rng.standard_normal((k, n), dtype=np.float32)
+    pw = cpu_gemm.pack(w)
+    assert pw.shape == (k, n) and pw.panels.shape == (n // 32, k, 32)
+    np.testing.assert_array_equal(np.asarray(cpu_gemm.unpack(pw)), w)
+    mm = jax.jit(cpu_gemm.matmul)
+    for rows in (1, 2, 3, 7, 8, 9, 15, 64, 65):  # tiles 8/4/2/1 and the XLA fallback past 64
+        x = rng.standard_normal((rows, k), dtype=np.float32)
+        y = np.asarray(mm(x, pw))
+        ref = x.astype(np.float64) @ w.astype(np.float64)
+        assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
+        if rows <= cpu_gemm.MAX_ROWS:
+            one_by_one = np.concatenate([np.asarray(mm(x[i:i + 1], pw)) for i in range(rows)])
+            np.testing.assert_array_equal(y, one_by_one)  # bit-identical whatever the row count
+
+
+def test_leading_axes_and_gradients():
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((48, 64), dtype=np.float32))
+    x = jnp.asarray(rng.standard_normal((2, 3, 48), dtype=np.float32))
+    pw = cpu_gemm.pack(w)
+    np.testing.assert_allclose(np.asarray(cpu_gemm.matmul(x, pw)), np.asarray(x @ w), rtol=1e-5,
+                               atol=1e-5)
+    gx, gp = jax.grad(lambda x, p: jnp.sum(jnp.sin(cpu_gemm.matmul(x, p))), argnums=(0, 1))(x, pw)
+    rx, rw = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ w)), argnums=(0, 1))(x, w)
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(rx), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(cpu_gemm.unpack(gp)), np.asarray(rw), rtol=1e-4, atol=1e-5)
+
+
+def test_packed_target_matches_unrolled_and_stays_lossless():
+    cfg = tiny_config(vocab_size=96, hidden_size=64, intermediate_size=128, num_heads=4,
+                      num_kv_heads=2, head_dim=16)
+    base = spec_jax.random_target(cfg, seed=1, scale=0.3)
+    unrolled = unstack_layers(base.params)
+    packed = pack_layers(base.params)
+    assert isinstance(packed["layers"][0]["wq"], cpu_gemm.PackedWeight)
+    assert isinstance(packed["lm_head"], cpu_gemm.PackedWeight)
+    toks = jnp.asarray(np.random.default_rng(2).integers(0, 96, (2, 7)), jnp.int32)
+    args = (toks, jnp.broadcast_to(jnp.arange(7), (2, 7)), base.new_cache(2, 16), causal_mask(2, 7))
+    a = forward(unrolled, cfg, *args)
+    b = forward(packed, cfg, *args)
+    np.testing.assert_allclose(np.asarray(a.logits), np.asarray(b.logits), atol=2e-5)
+
+    target = spec_jax.target.Target(cfg=cfg, params=packed)
+    assert target.layout == "packed" and base.layout == "scan"
+    prompt = [3, 17, 5, 3, 17, 5, 9]
+    plain = spec_jax.generate(target, prompt, 40, stop_at_eos=False).token_ids
+    heads = spec_jax.init_draft(target, "eagle", seed=0)
+    for draft, tree in (("ngram", None), (heads, "dynamic:4,3,8")):
+        r = spec_jax.generate(target, prompt, 40, draft=draft, tree=tree, stop_at_eos=False)
+        assert r.token_ids == plain
+
+
+def test_layers_argument_is_checked(tmp_path):
+    from spec_jax.target import arrange_layers
+
+    with pytest.raises(spec_jax.SpecJaxError, match="scan, unrolled or packed"):
+        arrange_layers({}, tiny_config(), "fast")
