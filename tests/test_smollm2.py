@@ -82,8 +82,11 @@ def test_speculative_greedy_equals_plain(smollm2, drafters, set_name, prompt):
 def test_packed_cpu_layout_matches_and_stays_lossless(smollm2):
     """The CPU default layout (packed matmuls) gives the scanned model's logits and, with the shipped
     EAGLE heads on a 16-node EAGLE-2 tree, exactly its own plain greedy output."""
+    from pallas_kernels import cpu_gemm
     from spec_jax.target import Target, arrange_layers
 
+    if not cpu_gemm.available():
+        pytest.skip("the CPU kernel needs a C++ compiler")
     packed = Target(cfg=smollm2.cfg, params=arrange_layers(smollm2.params, smollm2.cfg, "packed"),
                     tokenizer=smollm2.tokenizer)
     ids = smollm2.encode(PROMPTS[1])

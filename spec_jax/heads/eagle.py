@@ -8,6 +8,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.cpu_gemm import matmul
 from spec_jax.heads.feature import FeatureDrafter, draft_attention
 from spec_jax.models.llama import decoder_layer, embed, rope_inv_freq
 
@@ -44,7 +45,7 @@ class EagleDrafter(FeatureDrafter):
     def cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache_k, cache_v,
              cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask):
         e = embed(tparams, tokens).astype(feat.dtype)
-        x = jnp.concatenate([e, feat], axis=-1) @ dparams["fc_w"] + dparams["fc_b"]
+        x = matmul(jnp.concatenate([e, feat], axis=-1), dparams["fc_w"]) + dparams["fc_b"]
 
         def attend(q, k, v):
             return draft_attention(q, cache_k, cache_v, cache_valid, cache_len, extra_k, extra_v,

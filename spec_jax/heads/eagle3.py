@@ -10,6 +10,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.cpu_gemm import dot_f32, matmul
 from spec_jax.heads.eagle import init_layer
 from spec_jax.heads.feature import FeatureDrafter, draft_attention
 from spec_jax.heads.vocab import vocab_maps
@@ -39,7 +40,7 @@ class Eagle3Drafter(FeatureDrafter):
         return self.fused_layers
 
     def target_feature(self, dparams, tcfg, hidden, aux_hidden):
-        return (aux_hidden @ dparams["fc_w"]).astype(hidden.dtype)
+        return matmul(aux_hidden, dparams["fc_w"]).astype(hidden.dtype)
 
     def cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache_k, cache_v,
              cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask):
@@ -50,16 +51,16 @@ class Eagle3Drafter(FeatureDrafter):
         x_in = jnp.concatenate([rms_norm(e, lp["input_norm"], tcfg.rms_norm_eps),
                                 rms_norm(feat, lp["hidden_norm"], tcfg.rms_norm_eps)], axis=-1)
         inv = rope_inv_freq(tcfg)
-        q = apply_rope((x_in @ lp["wq"]).reshape(b, t, tcfg.num_heads, d), positions, inv)
-        k = apply_rope((x_in @ lp["wk"]).reshape(b, t, tcfg.num_kv_heads, d), positions, inv)
-        v = (x_in @ lp["wv"]).reshape(b, t, tcfg.num_kv_heads, d)
+        q = apply_rope(matmul(x_in, lp["wq"]).reshape(b, t, tcfg.num_heads, d), positions, inv)
+        k = apply_rope(matmul(x_in, lp["wk"]).reshape(b, t, tcfg.num_kv_heads, d), positions, inv)
+        v = matmul(x_in, lp["wv"]).reshape(b, t, tcfg.num_kv_heads, d)
         a = draft_attention(q, cache_k, cache_v, cache_valid, cache_len, extra_k, extra_v,
                             extra_mask, k, v, own_mask, self.attn_impl)
-        x = feat + a.reshape(b, t, -1) @ lp["wo"]
+        x = feat + matmul(a.reshape(b, t, -1), lp["wo"])
         h = rms_norm(x, lp["mlp_norm"], tcfg.rms_norm_eps)
-        x = x + (jax.nn.silu(h @ lp["w_gate"]) * (h @ lp["w_up"])) @ lp["w_down"]
+        x = x + matmul(jax.nn.silu(matmul(h, lp["w_gate"])) * matmul(h, lp["w_up"]), lp["w_down"])
         return x, k, v
 
     def logits(self, dparams, tparams, tcfg, feat):
         h = rms_norm(feat, dparams["norm"], tcfg.rms_norm_eps)
-        return jnp.dot(h, dparams["lm_head"], preferred_element_type=jnp.float32)
+        return dot_f32(h, dparams["lm_head"])

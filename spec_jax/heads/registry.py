@@ -61,7 +61,8 @@ class DraftHeads:
         """Params ready to run on `target` (adds what derives from it, see heads.vocab)."""
         from spec_jax.heads.vocab import bind_target
 
-        return bind_target(self.params, target.params, target.cfg)
+        params = bind_target(self.params, target.params, target.cfg)
+        return pack_matrices(params) if target.layout == "packed" else params
 
     def drafter(self, tree=None):
         """The Drafter for these heads; `tree` overrides the tree (see spec_jax.tree.parse_tree)."""
@@ -112,6 +113,22 @@ class DraftHeads:
 
             d = MtpDrafter(num_modules=hp.get("num_modules", 1), **dyn)
         return d if static is None else d.for_tree(static)
+
+
+# Head matrices whose products go through `pallas_kernels.cpu_gemm.matmul` / `dot_f32`.
+PACKABLE = ("fc_w", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "lm_sub")
+
+
+def pack_matrices(params: dict) -> dict:
+    """The heads' 2-D float32 matrices in the CPU kernel's panel layout (for a packed target)."""
+    from pallas_kernels import cpu_gemm
+
+    def walk(d):
+        return {k: walk(v) if isinstance(v, dict) else
+                cpu_gemm.pack(v) if k in PACKABLE and cpu_gemm.packable(v) else v
+                for k, v in d.items()}
+
+    return walk(params)
 
 
 def init_draft(target, method: str, seed: int = 0, scale: float = 0.02, **hparams) -> DraftHeads:
