@@ -70,6 +70,9 @@ def test_packed_target_matches_unrolled_and_stays_lossless():
     prompt = [3, 17, 5, 3, 17, 5, 9]
     plain = spec_jax.generate(target, prompt, 40, stop_at_eos=False).token_ids
     heads = spec_jax.init_draft(target, "eagle", seed=0)
+    bound = heads.bind(target)
+    assert isinstance(bound["layer"]["wq"], cpu_gemm.PackedWeight)
+    assert heads.bind(target) is bound  # made once per target
     for draft, tree in (("ngram", None), (heads, "dynamic:4,3,8")):
         r = spec_jax.generate(target, prompt, 40, draft=draft, tree=tree, stop_at_eos=False)
         assert r.token_ids == plain

@@ -58,11 +58,18 @@ class DraftHeads:
         return h.hexdigest()[:16]
 
     def bind(self, target):
-        """Params ready to run on `target` (adds what derives from it, see heads.vocab)."""
+        """Params ready to run on `target` (adds what derives from it, see heads.vocab), made once
+        per target and params object and kept in the target's cache of compiled things."""
         from spec_jax.heads.vocab import bind_target
 
+        key = ("bound", id(self))
+        hit = target.compiled.get(key)
+        if hit is not None and hit[0] is self.params and hit[1] is target.params:
+            return hit[2]
         params = bind_target(self.params, target.params, target.cfg)
-        return pack_matrices(params) if target.layout == "packed" else params
+        params = pack_matrices(params) if target.layout == "packed" else params
+        target.compiled[key] = (self.params, target.params, params)
+        return params
 
     def drafter(self, tree=None):
         """The Drafter for these heads; `tree` overrides the tree (see spec_jax.tree.parse_tree)."""
