@@ -90,7 +90,8 @@ def _packed_matmul(x, panels):
     if (rows == 0 or rows > MAX_ROWS or x.dtype != jnp.float32 or panels.dtype != jnp.float32
             or not available()):
         return x @ unpack(PackedWeight(panels)).astype(x.dtype)
-    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32))(
+    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32),
+                         vmap_method="sequential")(
         x.reshape(rows, k), panels)
     return y.reshape(*lead, n)
 

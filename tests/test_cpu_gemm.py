@@ -45,6 +45,8 @@ def test_leading_axes_and_gradients():
     pw = cpu_gemm.pack(w)
     np.testing.assert_allclose(np.asarray(cpu_gemm.matmul(x, pw)), np.asarray(x @ w), rtol=1e-5,
                                atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(jax.vmap(cpu_gemm.matmul, (0, None))(x, pw)),
+                                  np.asarray(cpu_gemm.matmul(x, pw)))
     gx, gp = jax.grad(lambda x, p: jnp.sum(jnp.sin(cpu_gemm.matmul(x, p))), argnums=(0, 1))(x, pw)
     rx, rw = jax.grad(lambda x, w: jnp.sum(jnp.sin(x @ w)), argnums=(0, 1))(x, w)
     np.testing.assert_allclose(np.asarray(gx), np.asarray(rx), rtol=1e-4, atol=1e-5)
