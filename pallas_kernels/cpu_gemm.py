@@ -3,7 +3,8 @@
 Decoding and tree verification multiply a few rows (B x T) by every weight matrix, so their speed
 is the speed of reading the weights. XLA:CPU reads them at ~24 GB/s for one row but 13-17 GB/s for
 2-8 rows; the packed kernel streams contiguous panels at ~32 GB/s for 1-8 rows alike (SmolLM2's
-weights: 17 ms per forward at T=1..8 against XLA's 22 / 33 / 31 / 39 ms at T=1/2/4/8).
+whole forward in the generation loop: 21.2 / 21.0 / 23.2 / 26.2 ms at T = 1/2/4/8, against
+23.2 / 33.2 / 37.0 / 44.3 ms with XLA's dot; docs/benchmarks.md).
 
 `pack(w [K, N]) -> PackedWeight(panels [N/32, K, 32])` is a one-time layout change (see
 `spec_jax.models.llama.pack_layers`); `matmul(x [..., K], w)` takes either layout. Rows beyond

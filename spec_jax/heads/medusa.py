@@ -13,10 +13,10 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import cpu_gemm
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
 from spec_jax.heads.vocab import shared_head_weight, to_target_ids
-from pallas_kernels import cpu_gemm
 from spec_jax.models.llama import rms_norm
 from spec_jax.tree import MEDUSA_DEFAULT, StaticTree, static_tree_batch
 
