@@ -140,8 +140,14 @@ def _load() -> str | None:
     """Build (or reuse) and register the kernel; None when it cannot be built here."""
     if os.environ.get("SPEC_JAX_CPU_GEMM", "1") == "0":
         return None
+    import warnings
+
+    if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
+        return None
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None or platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
+    if compiler is None:
+        warnings.warn("spec_jax: no C++ compiler (g++) found, so CPU matmuls use XLA's dot (slower "
+                      "decoding); install g++, or set SPEC_JAX_CPU_GEMM=0 to silence this")
         return None
     cmd = _command(compiler)
     key = hashlib.sha256()
@@ -157,8 +163,6 @@ def _load() -> str | None:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.SpecJaxPackedGemm),
                                     platform="cpu")
     except (OSError, RuntimeError, AttributeError) as e:
-        import warnings
-
         warnings.warn(f"spec_jax: CPU packed-matmul kernel unavailable ({e}); using XLA's dot")
         return None
     return str(lib)
