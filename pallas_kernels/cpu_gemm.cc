@@ -69,7 +69,7 @@ struct Job {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
-  // Claims and runs chunks until none is left; returns how many this thread ran.
+  // Claims and runs chunks until none is left.
   void drain() {
     for (;;) {
       const int64_t c = next.fetch_add(1, std::memory_order_relaxed);

@@ -69,6 +69,12 @@ def packable(w) -> bool:
             and jnp.dtype(w.dtype) == jnp.float32)
 
 
+def pack_matrices(params: dict, keys) -> dict:
+    """`params` (nested dicts) with its packable matrices under `keys` packed; the rest as is."""
+    return {k: pack_matrices(v, keys) if isinstance(v, dict) else
+            pack(v) if k in keys and packable(v) else v for k, v in params.items()}
+
+
 def matmul(x, w):
     """x [..., K] @ w [K, N] -> [..., N]; w a plain matrix or a PackedWeight."""
     if not isinstance(w, PackedWeight):

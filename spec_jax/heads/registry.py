@@ -67,7 +67,10 @@ class DraftHeads:
         if hit is not None and hit[0] is self.params and hit[1] is target.params:
             return hit[2]
         params = bind_target(self.params, target.params, target.cfg)
-        params = pack_matrices(params) if target.layout == "packed" else params
+        if target.layout == "packed":
+            from pallas_kernels.cpu_gemm import pack_matrices
+
+            params = pack_matrices(params, PACKABLE)
         target.compiled[key] = (self.params, target.params, params)
         return params
 
@@ -124,18 +127,6 @@ class DraftHeads:
 
 # Head matrices whose products go through `pallas_kernels.cpu_gemm.matmul` / `dot_f32`.
 PACKABLE = ("fc_w", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head", "lm_sub")
-
-
-def pack_matrices(params: dict) -> dict:
-    """The heads' 2-D float32 matrices in the CPU kernel's panel layout (for a packed target)."""
-    from pallas_kernels import cpu_gemm
-
-    def walk(d):
-        return {k: walk(v) if isinstance(v, dict) else
-                cpu_gemm.pack(v) if k in PACKABLE and cpu_gemm.packable(v) else v
-                for k, v in d.items()}
-
-    return walk(params)
 
 
 def init_draft(target, method: str, seed: int = 0, scale: float = 0.02, **hparams) -> DraftHeads:

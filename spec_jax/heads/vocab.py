@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu_gemm
-from spec_jax.models.llama import rms_norm
+from spec_jax.models.llama import lm_head_weight, rms_norm
 
 DERIVED = ("lm_sub",)  # parameters rebuilt from the target, never saved or trained
 
@@ -37,7 +37,7 @@ def shared_head_weight(dparams, tparams, tcfg):
     """The target's LM head [H, Vd] over the heads' draft vocabulary ([H, V] without one)."""
     if "lm_sub" in dparams:
         return dparams["lm_sub"]
-    w = tparams["lm_head"] if "lm_head" in tparams else tparams["embed"].T  # packed on CPU
+    w = lm_head_weight(tparams)  # packed on CPU
     if "d2t" not in dparams:
         return w
     if isinstance(w, cpu_gemm.PackedWeight):

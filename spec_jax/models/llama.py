@@ -95,11 +95,15 @@ def init_params(cfg: ModelConfig, key, scale: float = 0.02):
     return params
 
 
+def lm_head_weight(params):
+    """The LM head [H, V]: `lm_head` (separate, or a packed copy of a tied one), else embed.T."""
+    return params["lm_head"] if "lm_head" in params else params["embed"].T
+
+
 def lm_head(params, cfg: ModelConfig, hidden):
     """Final norm + LM head: hidden [..., H] -> float32 logits [..., V]."""
     h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
-    w = params["lm_head"] if "lm_head" in params else params["embed"].T
-    return cpu_gemm.dot_f32(h, w)
+    return cpu_gemm.dot_f32(h, lm_head_weight(params))
 
 
 def embed(params, tokens):
@@ -197,10 +201,8 @@ def pack_layers(params):
     Decoding and verification then read each weight once, contiguously, for 1-64 rows (see
     `pallas_kernels.cpu_gemm`). A tied LM head gets a packed copy of embed.T (+V*H floats)."""
     params = unstack_layers(params)
-    pk = lambda w: cpu_gemm.pack(w) if cpu_gemm.packable(w) else w
-    out = {**params, "layers": [{k: pk(w) if k in PACKED_KEYS else w for k, w in lp.items()}
-                                for lp in params["layers"]]}
-    lm = params["lm_head"] if "lm_head" in params else params["embed"].T
+    out = {**params, "layers": [cpu_gemm.pack_matrices(lp, PACKED_KEYS) for lp in params["layers"]]}
+    lm = lm_head_weight(params)
     if cpu_gemm.packable(lm):
         out["lm_head"] = cpu_gemm.pack(lm)
     return out
