@@ -10,31 +10,23 @@ whole forward in the generation loop: 21.2 / 21.0 / 23.2 / 26.2 ms at T = 1/2/4/
 `spec_jax.models.llama.pack_layers`); `matmul(x [..., K], w)` takes either layout. Rows beyond
 `MAX_ROWS` (prefill, training) go to XLA's dot on the unpacked matrix, where XLA's blocked GEMM wins.
 
-The shared library is compiled from `cpu_gemm.cc` with the system C++ compiler on first use
-(`-march=native`), cached under $SPEC_JAX_CACHE (default ~/.cache/spec_jax) by source, compiler
-and CPU, and registered with XLA once per process. Without a compiler, `available()` is False and
-callers keep XLA's dot: nothing is lost but the speed.
+The kernel is built with g++ on first use (`cpu_build`); without a compiler, `available()` is
+False and callers keep XLA's dot: nothing is lost but the speed.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import cpu_build
+
 PANEL = 32
 MAX_ROWS = 64
 TARGET = "spec_jax_packed_gemm"
-_SOURCE = Path(__file__).with_name("cpu_gemm.cc")
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["panels"], meta_fields=[])
@@ -111,69 +103,6 @@ def _packed_matmul_jvp(primals, tangents):
     return _packed_matmul(x, panels), dx @ w + x @ unpack(PackedWeight(dp))
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("SPEC_JAX_CACHE") or Path.home() / ".cache" / "spec_jax"
-    return Path(root) / "kernels"
-
-
-def _cpu_id() -> str:
-    """What -march=native compiles for: the CPU's model and feature flags."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        lines = [l for l in info.splitlines() if l.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = []
-    return platform.machine() + "|" + "|".join(lines)
-
-
-def _command(compiler: str) -> list[str]:
-    return [compiler, "-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared",
-            "-fPIC", f"-I{jax.ffi.include_dir()}", str(_SOURCE)]
-
-
-def _compile(cmd: list[str], out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        lib = Path(tmp) / out.name
-        res = subprocess.run(cmd + ["-o", str(lib)], capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"{cmd[0]} failed: {res.stderr.strip()[-2000:]}")
-        os.replace(lib, out)  # atomic: concurrent builders never see a half-written library
-
-
-@functools.cache
-def _load() -> str | None:
-    """Build (or reuse) and register the kernel; None when it cannot be built here."""
-    if os.environ.get("SPEC_JAX_CPU_GEMM", "1") == "0":
-        return None
-    import warnings
-
-    if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
-        return None
-    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
-    if compiler is None:
-        warnings.warn("spec_jax: no C++ compiler (g++) found, so CPU matmuls use XLA's dot (slower "
-                      "decoding); install g++, or set SPEC_JAX_CPU_GEMM=0 to silence this")
-        return None
-    cmd = _command(compiler)
-    key = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), " ".join(cmd).encode(), _cpu_id().encode()):
-        key.update(part)
-    lib = _cache_dir() / f"cpu_gemm-{key.hexdigest()[:16]}.so"
-    try:
-        if not lib.is_file():
-            _compile(cmd, lib)
-        import ctypes
-
-        handle = ctypes.cdll.LoadLibrary(str(lib))
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handle.SpecJaxPackedGemm),
-                                    platform="cpu")
-    except (OSError, RuntimeError, AttributeError) as e:
-        warnings.warn(f"spec_jax: CPU packed-matmul kernel unavailable ({e}); using XLA's dot")
-        return None
-    return str(lib)
-
-
 def available() -> bool:
-    """True when the kernel is built and registered (CPU backend only)."""
-    return jax.default_backend() == "cpu" and _load() is not None
+    """True when the CPU kernels are built and registered (see `cpu_build`)."""
+    return cpu_build.available()

@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
-    g.add_argument("--attn-impl", default="xla", choices=["auto", "xla", "pallas", "pallas_interpret"])
+    g.add_argument("--attn-impl", default="auto", choices=["auto", "xla", "cpu", "pallas", "pallas_interpret"])
     g.add_argument("--json", action="store_true")
     g.set_defaults(fn=cmd_generate)
 

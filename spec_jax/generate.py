@@ -60,7 +60,7 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1) -> tuple[Drafte
 
 def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 128, *,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
-             draft=None, tree=None, attn_impl: str = "xla", stop_at_eos: bool = True,
+             draft=None, tree=None, attn_impl: str = "auto", stop_at_eos: bool = True,
              accept_rule: str = "exact", precision: str | None = None) -> GenerationResult:
     """Generate up to max_new_tokens after `prompt` (a string, or a list of token ids).
 
@@ -82,7 +82,7 @@ def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 
 
 def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128, *,
                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
-                   draft=None, tree=None, attn_impl: str = "xla", stop_at_eos: bool = True,
+                   draft=None, tree=None, attn_impl: str = "auto", stop_at_eos: bool = True,
                    accept_rule: str = "exact", precision: str | None = None) -> list[GenerationResult]:
     """Like `generate` for several prompts at once (one batch, per-row lengths and acceptance)."""
     if max_new_tokens < 1:

@@ -191,7 +191,7 @@ def best_trees(profile: list[np.ndarray], sizes=TREE_SIZES) -> list[dict]:
 # ---- 2. costs ----
 
 def verify_latency(target, sizes, batch: int = 1, fill: int = 256, iters: int = 8,
-                   repeats: int = 3, attn_impl: str = "xla") -> dict:
+                   repeats: int = 3, attn_impl: str = "auto") -> dict:
     """Seconds of one target forward over T block tokens against `fill` cached tokens, as it runs
     inside the generation loop: `iters` dependent forwards in one `fori_loop` (so per-call dispatch
     is not counted), per forward, best of `repeats`."""

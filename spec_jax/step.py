@@ -34,7 +34,7 @@ class LoopSettings:
     max_new_tokens: int
     greedy: bool = True
     eos_ids: tuple[int, ...] = ()
-    attn_impl: str = "xla"
+    attn_impl: str = "auto"
     accept_rule: str = "exact"
 
 

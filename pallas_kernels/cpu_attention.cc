@@ -1,0 +1,309 @@
+// Tree attention for decoding and verification on CPU (an XLA FFI handler).
+//
+// T block queries per row attend to the committed cache (slots s < length[b] with valid[b, s])
+// and to the N block keys their tree mask allows; one exact softmax over both. Shapes as in
+// pallas_kernels/reference.py: q [B, T, H, D]; k_cache, v_cache [B, KVH, S, D]; valid [B, S];
+// length [B]; k_new, v_new [B, N, KVH, D]; mask [B, T, N]; out [B, T, H, D].
+//
+// Why: XLA:CPU runs this as ~10 small ops per layer and reads every cache slot, written or not.
+// Here one call per layer reads only slots below each row's length, and each key row is scored
+// against up to 16 queries of its KV head at once (one per vector lane).
+//
+// A query's result depends only on the keys it sees, in order (valid cache slots, then visible
+// block keys): each score is one FMA chain over D, each key's weight lands in sum lane
+// rank % 16, values are added in rank order. So a token seen from the cache (plain decoding)
+// and from the block (verification) gives bit-identical outputs, whatever T is.
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int kL = 16;  // lanes per vector; keys per tile
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v8 __attribute__((vector_size(32)));
+typedef int32_t vi16 __attribute__((vector_size(64)));
+
+inline v16 load(const float* p) {
+  v16 v;
+  std::memcpy(&v, p, 64);
+  return v;
+}
+inline void store(float* p, v16 v) { std::memcpy(p, &v, 64); }
+
+// a * b + c rounded once, lane by lane. Explicit because -ffp-contract does not fuse every
+// instantiation alike, and a score must not depend on which one computed it.
+template <typename V>
+inline V fma(V a, V b, V c) {
+#if defined(__AVX512F__)
+  if constexpr (sizeof(V) == 64) return (V)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#endif
+#if defined(__FMA__)
+  if constexpr (sizeof(V) == 32) return (V)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#endif
+  V r;
+  for (unsigned i = 0; i < sizeof(V) / sizeof(float); ++i) r[i] = __builtin_fmaf(a[i], b[i], c[i]);
+  return r;
+}
+
+// exp(x) for x <= 0 (Cephes' single-precision polynomial, ~1 ulp); exactly 0 below -87.
+inline v16 vexp(v16 x) {
+  const v16 lo = v16{} - 87.0f;
+  const v16 xc = x < lo ? lo : x;
+  const v16 magic = v16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const v16 n = (xc * 1.44269504088896341f + magic) - magic;
+  const v16 r = (xc - n * 0.693359375f) + n * 2.12194440e-4f;
+  v16 p = v16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const vi16 e = (__builtin_convertvector(n, vi16) + 127) << 23;
+  v16 scale;
+  std::memcpy(&scale, &e, 64);
+  const v16 y = p * scale;
+  return x < lo ? v16{} : y;
+}
+
+inline float hsum(v16 v) {  // fixed tree order
+  float s[kL];
+  store(s, v);
+  for (int w = kL / 2; w > 0; w /= 2)
+    for (int i = 0; i < w; ++i) s[i] += s[i + w];
+  return s[0];
+}
+
+// out[s][i] = scale * (k_s . q_i) for SB key rows and the query lanes of qt [D][16] (transposed
+// queries), V holding 8 or 16 lanes. Each lane is one FMA chain over d = 0..D-1, so a score is
+// the same whichever width computed it.
+template <typename V, int SB>
+inline void score_rows(const float* const* k, int64_t D, const float* qt, float scale,
+                       float* out) {
+  V acc[SB];
+  for (int s = 0; s < SB; ++s) acc[s] = V{};
+  for (int64_t d = 0; d < D; ++d) {
+    V qv;
+    std::memcpy(&qv, qt + d * kL, sizeof(V));
+    for (int s = 0; s < SB; ++s) acc[s] = fma(V{} + k[s][d], qv, acc[s]);
+  }
+  for (int s = 0; s < SB; ++s) {
+    const V x = acc[s] * scale;
+    std::memcpy(out + s * kL, &x, sizeof(V));
+  }
+}
+
+template <typename V>
+void score_all(const float* const* k, int64_t n, int64_t D, const float* qt, float scale,
+               float* out) {
+  int64_t s = 0;
+  for (; s + 8 <= n; s += 8) score_rows<V, 8>(k + s, D, qt, scale, out + s * kL);
+  if (s + 4 <= n) { score_rows<V, 4>(k + s, D, qt, scale, out + s * kL); s += 4; }
+  if (s + 2 <= n) { score_rows<V, 2>(k + s, D, qt, scale, out + s * kL); s += 2; }
+  if (s < n) score_rows<V, 1>(k + s, D, qt, scale, out + s * kL);
+}
+
+// out[0:D] = sum_j p[j] * v[j][0:D], j in order, accumulated in registers (DV = D / 16).
+template <int DV>
+void weighted_rows(const float* p, const float* const* v, int64_t cnt, float* out) {
+  v16 acc[DV];
+  for (int c = 0; c < DV; ++c) acc[c] = v16{};
+  for (int64_t j = 0; j < cnt; ++j)
+    for (int c = 0; c < DV; ++c) acc[c] = fma(v16{} + p[j], load(v[j] + c * kL), acc[c]);
+  for (int c = 0; c < DV; ++c) store(out + c * kL, acc[c]);
+}
+
+void weighted_sum(const float* p, const float* const* v, int64_t cnt, int64_t D, float* out) {
+  switch (D / kL) {
+    case 1: return weighted_rows<1>(p, v, cnt, out);
+    case 2: return weighted_rows<2>(p, v, cnt, out);
+    case 4: return weighted_rows<4>(p, v, cnt, out);
+    case 6: return weighted_rows<6>(p, v, cnt, out);
+    case 8: return weighted_rows<8>(p, v, cnt, out);
+    case 16: return weighted_rows<16>(p, v, cnt, out);
+  }
+  std::fill(out, out + D, 0.f);  // other head sizes: same order, accumulated in memory
+  for (int64_t j = 0; j < cnt; ++j)
+    for (int64_t d = 0; d < D; d += kL) store(out + d, fma(v16{} + p[j], load(v[j] + d), load(out + d)));
+}
+
+struct AttnJob {
+  const float *q, *kc, *vc, *kn, *vn;
+  const bool *valid, *mask;
+  const int32_t* length;
+  float* out;
+  int64_t B, T, H, KVH, S, N, D, G, TC;
+  float scale;
+  int64_t num_items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  struct Scratch {
+    std::vector<float> qt, sc, p, acc;
+    std::vector<const float*> rows, vrows;
+    std::vector<int64_t> blk;
+  };
+
+  // All G query heads of KV head `kvh` at block positions [t0, t0 + TC) of row b: R <= 16
+  // queries, one per lane.
+  void item(int64_t i, Scratch& w) const {
+    const int64_t chunks = (T + TC - 1) / TC;
+    const int64_t b = i / (KVH * chunks), kvh = (i / chunks) % KVH, t0 = (i % chunks) * TC;
+    const int64_t nt = std::min(TC, T - t0), R = nt * G;
+    const int64_t len = std::clamp<int64_t>(length[b], 0, S);
+    std::fill(w.qt.begin(), w.qt.end(), 0.f);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qr = q + ((b * T + t0 + r / G) * H + kvh * G + r % G) * D;
+      for (int64_t d = 0; d < D; ++d) w.qt[d * kL + r] = qr[d];
+    }
+    const float* kcb = kc + (b * KVH + kvh) * S * D;
+    const float* vcb = vc + (b * KVH + kvh) * S * D;
+    auto blk_row = [&](const float* base, int64_t n) { return base + ((b * N + n) * KVH + kvh) * D; };
+
+    // Scores of the visible cache slots (shared by the item's queries) in order, then of every
+    // block key: sc[j][lane].
+    w.rows.clear();
+    w.vrows.clear();
+    const bool* vrow = valid + b * S;
+    for (int64_t s = 0; s < len; ++s)
+      if (vrow[s]) {
+        w.rows.push_back(kcb + s * D);
+        w.vrows.push_back(vcb + s * D);
+      }
+    const int64_t nc = w.rows.size();
+    for (int64_t n = 0; n < N; ++n) w.rows.push_back(blk_row(kn, n));
+    if (R <= 8)  // half-width vectors do the same lanes' work at up to twice the rate
+      score_all<v8>(w.rows.data(), nc + N, D, w.qt.data(), scale, w.sc.data());
+    else
+      score_all<v16>(w.rows.data(), nc + N, D, w.qt.data(), scale, w.sc.data());
+
+    for (int64_t t = 0; t < nt; ++t) {
+      const bool* mrow = mask + (b * T + t0 + t) * N;
+      w.blk.clear();
+      w.vrows.resize(nc);
+      for (int64_t n = 0; n < N; ++n)
+        if (mrow[n]) {
+          w.blk.push_back(n);
+          w.vrows.push_back(blk_row(vn, n));
+        }
+      const int64_t cnt = nc + w.blk.size(), cp = (cnt + kL - 1) / kL * kL;
+      float* o = out + ((b * T + t0 + t) * H + kvh * G) * D;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t lane = t * G + g;
+        float* p = w.p.data();
+        float m = -INFINITY;
+        for (int64_t j = 0; j < nc; ++j) p[j] = w.sc[j * kL + lane];
+        for (int64_t j = nc; j < cnt; ++j) p[j] = w.sc[(nc + w.blk[j - nc]) * kL + lane];
+        for (int64_t j = 0; j < cnt; ++j) m = std::max(m, p[j]);
+        for (int64_t j = cnt; j < cp; ++j) p[j] = -INFINITY;
+        v16 lsum = v16{};
+        for (int64_t j = 0; j < cp; j += kL) {
+          const v16 e = vexp(load(p + j) - m);
+          store(p + j, e);
+          lsum += e;
+        }
+        const float l = cnt ? hsum(lsum) : 0.f;
+        float* acc = w.acc.data();
+        weighted_sum(p, w.vrows.data(), cnt, D, acc);
+        const float inv = l > 0.f ? 1.f / l : 0.f;  // nothing visible (padding): zeros
+        for (int64_t d = 0; d < D; ++d) o[g * D + d] = acc[d] * inv;
+      }
+    }
+  }
+
+  void drain() {
+    Scratch w;
+    for (;;) {
+      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= num_items) return;
+      if (w.qt.empty()) {
+        w.qt.resize(D * kL);
+        w.sc.resize((S + N) * kL);
+        w.p.resize(S + N + kL);
+        w.acc.resize(D);
+        w.rows.reserve(S + N);
+        w.vrows.reserve(S + N);
+        w.blk.reserve(N);
+      }
+      item(c, w);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> kc,
+                         ffi::Buffer<ffi::F32> vc, ffi::Buffer<ffi::PRED> valid,
+                         ffi::Buffer<ffi::S32> length, ffi::Buffer<ffi::F32> kn,
+                         ffi::Buffer<ffi::F32> vn, ffi::Buffer<ffi::PRED> mask, float scale,
+                         ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), cd = kc.dimensions(), nd = kn.dimensions(), md = mask.dimensions();
+  if (qd.size() != 4 || cd.size() != 4 || nd.size() != 4 || md.size() != 3 ||
+      cd[0] != qd[0] || cd[3] != qd[3] || qd[3] % kL != 0 || qd[2] % cd[1] != 0 || qd[2] / cd[1] > kL ||
+      nd[0] != qd[0] || nd[2] != cd[1] || nd[3] != qd[3] || md[0] != qd[0] || md[1] != qd[1] ||
+      md[2] != nd[1] || valid.element_count() != cd[0] * cd[2] || length.element_count() != cd[0] ||
+      vc.element_count() != kc.element_count() || vn.element_count() != kn.element_count()) {
+    return ffi::Error::InvalidArgument(
+        "spec_jax tree attention: expected q [B,T,H,D], caches [B,KVH,S,D], valid [B,S], "
+        "length [B], new K/V [B,N,KVH,D], mask [B,T,N], H a multiple of KVH (at most 16 times), D of 16");
+  }
+  auto job = std::make_shared<AttnJob>();
+  job->q = q.typed_data();
+  job->kc = kc.typed_data();
+  job->vc = vc.typed_data();
+  job->valid = valid.typed_data();
+  job->length = length.typed_data();
+  job->kn = kn.typed_data();
+  job->vn = vn.typed_data();
+  job->mask = mask.typed_data();
+  job->out = out->typed_data();
+  job->B = qd[0];
+  job->T = qd[1];
+  job->H = qd[2];
+  job->D = qd[3];
+  job->KVH = cd[1];
+  job->S = cd[2];
+  job->N = nd[1];
+  job->G = job->H / job->KVH;
+  job->TC = std::max<int64_t>(1, std::min<int64_t>(job->T, kL / job->G));  // <= 16 lanes
+  job->scale = scale;
+  job->num_items = job->B * job->KVH * ((job->T + job->TC - 1) / job->TC);
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 16));
+  const int64_t helpers = std::min<int64_t>(threads - 1, job->num_items - 1);
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->drain(); });
+  job->drain();
+  while (job->done.load(std::memory_order_acquire) < job->num_items) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxTreeAttention, TreeAttention,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

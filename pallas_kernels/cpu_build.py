@@ -1,0 +1,95 @@
+"""Build and register spec_jax's CPU kernels (`cpu_gemm.cc`, `cpu_attention.cc`; XLA FFI calls).
+
+The shared library is compiled from the sources with the system C++ compiler on first use
+(`-march=native`), cached under $SPEC_JAX_CACHE (default ~/.cache/spec_jax) by source, compiler
+and CPU, and registered with XLA once per process. Without a compiler, `available()` is False and
+callers keep XLA's ops: nothing is lost but the speed. `SPEC_JAX_CPU_KERNELS=0` turns them off.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+
+_DIR = Path(__file__).parent
+SOURCES = (_DIR / "cpu_gemm.cc", _DIR / "cpu_attention.cc")
+# FFI target name -> the handler symbol exported by the library
+TARGETS = {"spec_jax_packed_gemm": "SpecJaxPackedGemm",
+           "spec_jax_tree_attention": "SpecJaxTreeAttention"}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SPEC_JAX_CACHE") or Path.home() / ".cache" / "spec_jax"
+    return Path(root) / "kernels"
+
+
+def _cpu_id() -> str:
+    """What -march=native compiles for: the CPU's model and feature flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [l for l in info.splitlines() if l.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "|" + "|".join(lines)
+
+
+def _command(compiler: str) -> list[str]:
+    return [compiler, "-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared",
+            "-fPIC", f"-I{jax.ffi.include_dir()}", *map(str, SOURCES)]
+
+
+def _compile(cmd: list[str], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
+        lib = Path(tmp) / out.name
+        res = subprocess.run(cmd + ["-o", str(lib)], capture_output=True, text=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"{cmd[0]} failed: {res.stderr.strip()[-2000:]}")
+        os.replace(lib, out)  # atomic: concurrent builders never see a half-written library
+
+
+@functools.cache
+def _load() -> str | None:
+    """Build (or reuse) and register the kernels; None when they cannot be built here."""
+    if os.environ.get("SPEC_JAX_CPU_KERNELS", "1") == "0":
+        return None
+    import warnings
+
+    if platform.machine() not in ("x86_64", "AMD64", "aarch64", "arm64"):
+        return None
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        warnings.warn("spec_jax: no C++ compiler (g++) found, so CPU matmuls and attention use "
+                      "XLA's ops (slower decoding); install g++, or set SPEC_JAX_CPU_KERNELS=0 to "
+                      "silence this")
+        return None
+    cmd = _command(compiler)
+    key = hashlib.sha256()
+    for part in (*(s.read_bytes() for s in SOURCES), " ".join(cmd).encode(), _cpu_id().encode()):
+        key.update(part)
+    lib = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    try:
+        if not lib.is_file():
+            _compile(cmd, lib)
+        import ctypes
+
+        handle = ctypes.cdll.LoadLibrary(str(lib))
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, symbol)),
+                                        platform="cpu")
+    except (OSError, RuntimeError, AttributeError) as e:
+        warnings.warn(f"spec_jax: CPU kernels unavailable ({e}); using XLA's ops")
+        return None
+    return str(lib)
+
+
+def available() -> bool:
+    """True when the kernels are built and registered (CPU backend only)."""
+    return jax.default_backend() == "cpu" and _load() is not None
