@@ -1,10 +1,11 @@
 """Tree-attention kernels for speculative decoding, with a pure-JAX reference as the oracle.
 
 `tree_attention(..., impl=...)`:
-  "xla"              the pure-JAX reference (default on CPU),
+  "xla"              the pure-JAX path (cache part and block part merged),
+  "cpu"              one FFI call per layer on CPU (`cpu_attention.cc`; XLA when not built),
   "pallas_interpret" the Pallas kernel run by the interpreter (CPU tests),
   "pallas"           the Pallas kernel compiled for the current backend (TPU Mosaic / GPU),
-  "auto"             "pallas" on TPU and GPU, "xla" elsewhere.
+  "auto"             "cpu" on CPU, "xla" elsewhere (the default).
 """
 from pallas_kernels.dispatch import tree_attention
 from pallas_kernels.reference import tree_attention_reference

@@ -18,6 +18,16 @@ def resolve_impl(impl: str) -> str:
     return impl
 
 
+def default_impl() -> str:
+    """What "auto" runs here, as sizing caches it: "cpu" only when the kernel is built."""
+    impl = resolve_impl("auto")
+    if impl == "cpu":
+        from pallas_kernels import cpu_build
+
+        return "cpu" if cpu_build.available() else "xla"
+    return impl
+
+
 def tree_attention(q, k_cache, v_cache, slot_valid, length, k_new, v_new, tree_mask, *,
                    scale=None, impl: str = "xla", block_size: int | None = None):
     """Attention of T block queries over the committed cache and the block itself. [B, T, H, D]."""

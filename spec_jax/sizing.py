@@ -50,12 +50,14 @@ PLAIN = "plain"
 def cache_file() -> Path:
     from spec_jax.convert.fetch import cache_dir
 
-    return cache_dir() / "trees-v2.json"
+    return cache_dir() / "trees-v3.json"
 
 
 def calibration_key(target, heads, batch: int) -> str:
+    from pallas_kernels.dispatch import default_impl
+
     return (f"{jax.devices()[0].device_kind}|{target.fingerprint()}|{heads.method}:"
-            f"{heads.fingerprint()}|{target.layout}|{batch}")
+            f"{heads.fingerprint()}|{target.layout}|attn-{default_impl()}|{batch}")
 
 
 def _entry(target, heads, batch: int):
