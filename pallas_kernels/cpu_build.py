@@ -1,4 +1,5 @@
-"""Build and register spec_jax's CPU kernels (`cpu_gemm.cc`, `cpu_attention.cc`; XLA FFI calls).
+"""Build and register spec_jax's CPU kernels (`cpu_gemm.cc`, `cpu_attention.cc`, `cpu_argmax.cc`:
+XLA FFI calls).
 
 The shared library is compiled from the sources with the system C++ compiler on first use
 (`-march=native`), cached under $SPEC_JAX_CACHE (default ~/.cache/spec_jax) by source, compiler
@@ -19,10 +20,11 @@ from pathlib import Path
 import jax
 
 _DIR = Path(__file__).parent
-SOURCES = (_DIR / "cpu_gemm.cc", _DIR / "cpu_attention.cc")
+SOURCES = (_DIR / "cpu_gemm.cc", _DIR / "cpu_attention.cc", _DIR / "cpu_argmax.cc")
 # FFI target name -> the handler symbol exported by the library
 TARGETS = {"spec_jax_packed_gemm": "SpecJaxPackedGemm",
-           "spec_jax_tree_attention": "SpecJaxTreeAttention"}
+           "spec_jax_tree_attention": "SpecJaxTreeAttention",
+           "spec_jax_argmax": "SpecJaxArgmax"}
 
 
 def _cache_dir() -> Path:

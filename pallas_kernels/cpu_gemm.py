@@ -56,6 +56,12 @@ def unpack(w: PackedWeight) -> jax.Array:
     return w.panels.transpose(1, 0, 2).reshape(k, p * c)
 
 
+def unpack_all(tree):
+    """`tree` with every PackedWeight back in the plain [K, N] layout (what checkpoints store)."""
+    return jax.tree.map(lambda x: unpack(x) if isinstance(x, PackedWeight) else x, tree,
+                        is_leaf=lambda x: isinstance(x, PackedWeight))
+
+
 def packable(w) -> bool:
     return (getattr(w, "ndim", 0) == 2 and w.shape[1] % PANEL == 0
             and jnp.dtype(w.dtype) == jnp.float32)

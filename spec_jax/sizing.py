@@ -197,6 +197,7 @@ def verify_latency(target, sizes, batch: int = 1, fill: int = 256, iters: int = 
     """Seconds of one target forward over T block tokens against `fill` cached tokens, as it runs
     inside the generation loop: `iters` dependent forwards in one `fori_loop` (so per-call dispatch
     is not counted), per forward, best of `repeats`."""
+    from pallas_kernels.cpu_argmax import argmax
     from spec_jax.models.llama import causal_mask, forward
 
     cfg = target.cfg
@@ -211,7 +212,7 @@ def verify_latency(target, sizes, batch: int = 1, fill: int = 256, iters: int = 
             def body(_, tk):  # the next block depends on this one's logits: no hoisting
                 logits = forward(params, cfg, tk, pos, cache, causal_mask(batch, t),
                                  attn_impl=attn_impl).logits
-                return jnp.argmax(logits, -1).astype(jnp.int32)
+                return argmax(logits)
 
             return jax.lax.fori_loop(0, iters, body, toks)
 

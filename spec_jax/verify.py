@@ -17,6 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.cpu_argmax import argmax
 from spec_jax.tree import Tree
 
 
@@ -42,7 +43,7 @@ def target_probs(logits, temperature, top_p):
 def sample_token(logits, key, greedy: bool, temperature, top_p):
     """One token per row from logits [B, V]."""
     if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return argmax(logits)
     p = target_probs(logits, temperature, top_p)
     return jax.random.categorical(key, jnp.log(p), axis=-1).astype(jnp.int32)
 
@@ -57,7 +58,7 @@ def verify(logits, tree: Tree, key, *, greedy: bool, max_depth: int, temperature
     k = tree.children.shape[-1]
     rows = jnp.arange(b)
     if greedy:
-        best = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
+        best = argmax(logits)  # [B, T]
     else:
         probs = target_probs(logits, temperature, top_p)  # [B, T, V]
     keys = jax.random.split(key, max_depth * k + 1)

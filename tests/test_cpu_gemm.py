@@ -85,3 +85,27 @@ def test_layers_argument_is_checked(tmp_path):
 
     with pytest.raises(spec_jax.SpecJaxError, match="scan, unrolled or packed"):
         arrange_layers({}, tiny_config(), "fast")
+
+
+def test_heads_trained_on_a_packed_target_are_saved_plain(tmp_path):
+    """Training binds plain matrices, and checkpoints never hold the panel layout (a head saved
+    from a packed target once stored {'panels': ...} dicts that no loader could use)."""
+    from spec_jax.train.loop import TrainConfig, feature_cache, train
+
+    cfg = tiny_config(vocab_size=64, hidden_size=64, intermediate_size=128, num_heads=4,
+                      num_kv_heads=2, head_dim=16)
+    base = spec_jax.random_target(cfg, seed=1, scale=0.3)
+    target = spec_jax.target.Target(cfg=cfg, params=pack_layers(base.params))
+    assert target.layout == "packed"
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 64, 24).astype(np.int32) for _ in range(8)]
+    toks, mask, feats, _ = feature_cache(target, seqs, [4] * 8, 24)
+    data = {"tokens": toks, "mask": mask, "feats": feats, "aux": None}
+    heads, _ = train(target, data, TrainConfig(method="eagle", steps=2, batch_size=4, seq_len=24),
+                     out_dir=tmp_path / "h", progress=False)
+    leaves = jax.tree.leaves(spec_jax.load_draft(tmp_path / "h").params)
+    assert leaves and all(hasattr(x, "shape") for x in leaves)
+    loaded = spec_jax.load_draft(tmp_path / "h")
+    assert loaded.params["layer"]["wq"].shape == (64, 64)
+    r = spec_jax.generate(target, [3, 5, 7], 8, draft=loaded, stop_at_eos=False)
+    assert r.token_ids == spec_jax.generate(target, [3, 5, 7], 8, stop_at_eos=False).token_ids

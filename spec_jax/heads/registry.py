@@ -57,17 +57,21 @@ class DraftHeads:
             h.update(np.round(np.asarray(leaf.reshape(-1)[:256], np.float32), 4).tobytes())
         return h.hexdigest()[:16]
 
-    def bind(self, target):
+    def bind(self, target, pack: bool = True):
         """Params ready to run on `target` (adds what derives from it, see heads.vocab), made once
-        per target and params object and kept in the target's cache of compiled things."""
+        per target and params object and kept in the target's cache of compiled things.
+
+        On a packed target the matrices are packed too (`pack=False` keeps them plain: training
+        updates and saves plain matrices)."""
         from spec_jax.heads.vocab import bind_target
 
-        key = ("bound", id(self))
+        pack = pack and target.layout == "packed"
+        key = ("bound", id(self), pack)
         hit = target.compiled.get(key)
         if hit is not None and hit[0] is self.params and hit[1] is target.params:
             return hit[2]
         params = bind_target(self.params, target.params, target.cfg)
-        if target.layout == "packed":
+        if pack:
             from pallas_kernels.cpu_gemm import pack_matrices
 
             params = pack_matrices(params, PACKABLE)
@@ -167,9 +171,12 @@ def save_draft(heads: DraftHeads, out_dir, force: bool = False) -> Path:
     from spec_jax.heads.vocab import DERIVED
     from spec_jax.io import atomic_dir, save_params
 
+    from pallas_kernels.cpu_gemm import unpack_all
+
     out_dir = Path(out_dir)
+    params = unpack_all({k: v for k, v in heads.params.items() if k not in DERIVED})
     with atomic_dir(out_dir, force=force) as tmp:
-        save_params(tmp / "params", {k: v for k, v in heads.params.items() if k not in DERIVED})
+        save_params(tmp / "params", params)
         (tmp / "spec_jax.json").write_text(json.dumps(
             {"kind": "draft", "method": heads.method, "hparams": heads.hparams,
              "target": heads.target_info}, indent=2))

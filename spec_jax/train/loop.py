@@ -156,7 +156,7 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
             vocab = frequent_tokens(data["tokens"], data["mask"], min(size, v), v)
             extra.update(draft_vocab=len(vocab), d2t=vocab)
         heads = init_draft(target, cfg.method, seed=cfg.seed, **extra)
-    heads.params = heads.bind(target)
+    heads.params = heads.bind(target, pack=False)
     trainable, frozen = split_params(heads.params)
     sched = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.warmup, max(cfg.steps, cfg.warmup + 1),
                                                cfg.lr * 0.05)
