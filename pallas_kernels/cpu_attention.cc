@@ -14,7 +14,6 @@
 // rank % 16, values are added in rank order. So a token seen from the cache (plain decoding)
 // and from the block (verification) gives bit-identical outputs, whatever T is.
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -25,6 +24,7 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -147,9 +147,7 @@ struct AttnJob {
   float* out;
   int64_t B, T, H, KVH, S, N, D, G, TC;
   float scale;
-  int64_t num_items;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  spec_jax::Claims claims;  // one item per (row, KV head, chunk of block positions)
 
   struct Scratch {
     std::vector<float> qt, sc, p, acc;
@@ -226,21 +224,14 @@ struct AttnJob {
 
   void drain() {
     Scratch w;
-    for (;;) {
-      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
-      if (c >= num_items) return;
-      if (w.qt.empty()) {
-        w.qt.resize(D * kL);
-        w.sc.resize((S + N) * kL);
-        w.p.resize(S + N + kL);
-        w.acc.resize(D);
-        w.rows.reserve(S + N);
-        w.vrows.reserve(S + N);
-        w.blk.reserve(N);
-      }
-      item(c, w);
-      done.fetch_add(1, std::memory_order_release);
-    }
+    w.qt.resize(D * kL);
+    w.sc.resize((S + N) * kL);
+    w.p.resize(S + N + kL);
+    w.acc.resize(D);
+    w.rows.reserve(S + N);
+    w.vrows.reserve(S + N);
+    w.blk.reserve(N);
+    claims.drain([&](int64_t c) { item(c, w); });
   }
 };
 
@@ -279,16 +270,8 @@ ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   job->G = job->H / job->KVH;
   job->TC = std::max<int64_t>(1, std::min<int64_t>(job->T, kL / job->G));  // <= 16 lanes
   job->scale = scale;
-  job->num_items = job->B * job->KVH * ((job->T + job->TC - 1) / job->TC);
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 16));
-  const int64_t helpers = std::min<int64_t>(threads - 1, job->num_items - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->drain(); });
-  job->drain();
-  while (job->done.load(std::memory_order_acquire) < job->num_items) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-  }
+  job->claims.total = job->B * job->KVH * ((job->T + job->TC - 1) / job->TC);
+  spec_jax::run_shared(pool, job);
   return ffi::Error::Success();
 }
 

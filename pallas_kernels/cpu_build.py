@@ -21,6 +21,7 @@ import jax
 
 _DIR = Path(__file__).parent
 SOURCES = (_DIR / "cpu_gemm.cc", _DIR / "cpu_attention.cc", _DIR / "cpu_argmax.cc")
+HEADERS = (_DIR / "cpu_pool.h",)
 # FFI target name -> the handler symbol exported by the library
 TARGETS = {"spec_jax_packed_gemm": "SpecJaxPackedGemm",
            "spec_jax_tree_attention": "SpecJaxTreeAttention",
@@ -44,7 +45,7 @@ def _cpu_id() -> str:
 
 def _command(compiler: str) -> list[str]:
     return [compiler, "-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared",
-            "-fPIC", f"-I{jax.ffi.include_dir()}", *map(str, SOURCES)]
+            "-fPIC", f"-I{jax.ffi.include_dir()}", f"-I{_DIR}", *map(str, SOURCES)]
 
 
 def _compile(cmd: list[str], out: Path) -> None:
@@ -74,7 +75,8 @@ def _load() -> str | None:
         return None
     cmd = _command(compiler)
     key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES), " ".join(cmd).encode(), _cpu_id().encode()):
+    for part in (*(s.read_bytes() for s in SOURCES + HEADERS), " ".join(cmd).encode(),
+                 _cpu_id().encode()):
         key.update(part)
     lib = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     try:

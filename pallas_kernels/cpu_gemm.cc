@@ -7,15 +7,13 @@
 // step. Every output element is one fused multiply-add chain over k = 0..K-1, so a row's result
 // is bit-identical whatever R is and whichever rows share the call (decode and verify agree).
 //
-// Work is split over panels: the calling thread and helpers on XLA's intra-op pool claim chunks
-// from a shared counter, and the caller waits only for chunks already claimed, so a helper that
-// starts late (or never, when the pool is busy) cannot stall the call.
+// Work is split over chunks of panels, shared with XLA's intra-op pool (cpu_pool.h).
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <memory>
 
+#include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -65,19 +63,14 @@ struct Job {
   const float* x;
   const float* w;
   float* y;
-  int64_t R, K, N, num_panels, chunk, num_chunks;
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
+  int64_t R, K, N, num_panels, chunk;
+  spec_jax::Claims claims;  // one item per chunk of panels
 
-  // Claims and runs chunks until none is left.
   void drain() {
-    for (;;) {
-      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
-      if (c >= num_chunks) return;
+    claims.drain([this](int64_t c) {
       const int64_t p0 = c * chunk, p1 = std::min(num_panels, p0 + chunk);
       panels(x, R, K, w, N, y, p0, p1);
-      done.fetch_add(1, std::memory_order_release);
-    }
+    });
   }
 };
 
@@ -97,18 +90,10 @@ ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   job->K = xd[1];
   job->N = yd[1];
   job->num_panels = wd[0];
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), 16));
   // About four chunks per thread: small enough to balance, large enough to stream.
-  job->chunk = std::max<int64_t>(1, job->num_panels / (4 * threads));
-  job->num_chunks = (job->num_panels + job->chunk - 1) / job->chunk;
-  const int64_t helpers = std::min<int64_t>(threads - 1, job->num_chunks - 1);
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([job] { job->drain(); });
-  job->drain();
-  while (job->done.load(std::memory_order_acquire) < job->num_chunks) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-  }
+  job->chunk = std::max<int64_t>(1, job->num_panels / (4 * spec_jax::pool_threads(pool)));
+  job->claims.total = (job->num_panels + job->chunk - 1) / job->chunk;
+  spec_jax::run_shared(pool, job);
   return ffi::Error::Success();
 }
 
