@@ -6,8 +6,9 @@ pure-JAX version as ~10 small ops per layer and reads every cache slot; the kern
 slots below each row's length and is row-independent: a query's output does not depend on T or
 on the other queries, so verification and plain decoding agree to the bit.
 
-Differentiable (the tangent is the pure-JAX version's), so training through it works; float32
-with head_dim a multiple of 16 and at most 16 query heads per KV head only — `supported()` says when, and `dispatch` falls back to XLA.
+Differentiable (the tangent is the pure-JAX version's), so training through it works. Float32
+only, head_dim a multiple of 16, at most 16 query heads per KV head: `supported()` says when, and
+`dispatch` falls back to XLA otherwise.
 """
 from __future__ import annotations
 
