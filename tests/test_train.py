@@ -160,3 +160,39 @@ def test_eagle_training_time_test_trains_the_later_steps(toy):
     heads, hist = train(target, data, cfg, progress=False)
     assert hist[0]["acc2"] < 0.3 and hist[-1]["eval_acc2"] > 0.6
     assert heads.hparams["training"]["ttt_steps"] == 2
+
+
+def test_distill_stores_length_sorted_batches_in_prompt_order(tmp_path, tiny_target):
+    """distill generates each window of prompts in order of length (long prompts in smaller
+    batches) but stores the samples in prompt order, each as generating its prompt alone gives,
+    and extending a set appends the next prompts."""
+    import json
+
+    from spec_jax.generate import generate_batch
+    from spec_jax.train.distill import distill, load_distill, order_prompts
+
+    d = tmp_path / "train" / "p"
+    d.mkdir(parents=True)
+    lens = [3, 150, 7, 1, 200, 12, 5, 9, 2, 40]  # 150 and 200 words pad past 128 tokens
+    (d / "a.jsonl").write_text("".join(json.dumps({"prompt": " ".join(["w"] * n) + f" {i}"}) + "\n"
+                                       for i, n in enumerate(lens)))
+
+    class CharTarget(spec_jax.Target):
+        def encode(self, prompt, chat=True):
+            if isinstance(prompt, str):
+                return [1 + ord(c) % (self.cfg.vocab_size - 1) for c in prompt]
+            return super().encode(prompt, chat)
+
+        def fingerprint(self):
+            return "tiny"
+
+    target = CharTarget(cfg=tiny_target.cfg, params=tiny_target.params)
+    out = tmp_path / "set"
+    distill(target, d.parent, out, num_prompts=6, max_new_tokens=5, batch_size=2, progress=False)
+    distill(target, d.parent, out, num_prompts=10, max_new_tokens=5, batch_size=2, progress=False)
+    seqs, plens, manifest = load_distill(out)
+    assert manifest["samples"] == 10
+    for p, s, n in zip(order_prompts(d.parent), seqs, plens):
+        ids = target.encode(p.text)
+        alone = generate_batch(target, [ids], 5, chat=False)[0].token_ids
+        assert n == len(ids) and s.tolist() == ids + alone

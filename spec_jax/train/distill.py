@@ -78,7 +78,7 @@ def distill(target, data_dir, out_dir, num_prompts=1000, max_new_tokens=160, bat
             temperature=0.0, seed=0, mix="proportional", progress=True):
     """Generate (or extend) a self-distillation set of `num_prompts` samples (see `order_prompts`
     for `mix`)."""
-    from spec_jax.generate import generate_batch
+    from spec_jax.generate import _bucket, generate_batch
 
     out_dir = Path(out_dir)
     root = Path(data_dir).resolve().parent
@@ -99,20 +99,36 @@ def distill(target, data_dir, out_dir, num_prompts=1000, max_new_tokens=160, bat
     from tqdm import tqdm
 
     bar = tqdm(total=len(todo), disable=not progress, desc="distill")
-    # group by prompt length so one batch shares a padded shape
-    for i in range(0, len(todo), batch_size):
-        chunk = todo[i:i + batch_size]
-        texts = [p.text[:2000] for p in chunk]
-        res = generate_batch(target, texts, max_new_tokens, temperature=temperature, seed=seed + i)
-        for p, r in zip(texts, res):
-            ids = target.encode(p)
-            seqs.append(np.asarray(ids + r.token_ids, np.int32))
-            plens.append(len(ids))
-            new_tokens += len(r.token_ids)
-        bar.update(len(chunk))
-        bar.set_postfix(tok_s=f"{new_tokens / (time.time() - t0):.0f}")
-        if (i // batch_size) % 8 == 7 or i + batch_size >= len(todo):
-            _write(out_dir, seqs, plens, target, data_dir, max_new_tokens, temperature, seed, mix)
+    # Each window of 8 batches is generated in order of prompt length, and a batch holds at most
+    # `batch_size` x 128 prompt tokens once padded (long prompts go in smaller batches: one
+    # 500-token prompt used to pad a whole batch's prefill to 512). Short batches are filled with
+    # copies of their last prompt, so there are few shapes to compile. The window is stored in
+    # prompt order: the set on disk is always a prefix of the prompt order.
+    window = 8 * batch_size
+    for w in range(0, len(todo), window):
+        texts = [p.text[:2000] for p in todo[w:w + window]]
+        ids = [target.encode(t) for t in texts]
+        order = sorted(range(len(texts)), key=lambda j: len(ids[j]))
+        answers = [None] * len(texts)
+        i = 0
+        while i < len(order):
+            rows = max(1, min(batch_size, batch_size * 128 // _bucket(len(ids[order[i]]), 64)))
+            while rows > 1 and batch_size * 128 < rows * _bucket(len(ids[order[min(i + rows, len(order)) - 1]]), 64):
+                rows //= 2
+            chunk = order[i:i + rows]
+            batch = [ids[j] for j in chunk] + [ids[chunk[-1]]] * (rows - len(chunk))
+            res = generate_batch(target, batch, max_new_tokens, chat=False,
+                                 temperature=temperature, seed=seed + w + i)
+            for j, r in zip(chunk, res):
+                answers[j] = r.token_ids
+                new_tokens += len(r.token_ids)
+            i += len(chunk)
+            bar.update(len(chunk))
+            bar.set_postfix(tok_s=f"{new_tokens / (time.time() - t0):.0f}")
+        for x, a in zip(ids, answers):
+            seqs.append(np.asarray(x + a, np.int32))
+            plens.append(len(x))
+        _write(out_dir, seqs, plens, target, data_dir, max_new_tokens, temperature, seed, mix)
     bar.close()
     return out_dir
 
