@@ -196,3 +196,22 @@ def test_distill_stores_length_sorted_batches_in_prompt_order(tmp_path, tiny_tar
         ids = target.encode(p.text)
         alone = generate_batch(target, [ids], 5, chat=False)[0].token_ids
         assert n == len(ids) and s.tolist() == ids + alone
+
+
+def test_chunked_feature_pass_matches_one_pass(tiny_target):
+    """feature_cache's chunked prefill (at most 64 rows per product: the packed CPU kernel's
+    range) and its length-sorted, cut batches give the one-pass features on every real position."""
+    rng = np.random.default_rng(0)
+    lens = [30, 100, 70, 150, 9]
+    seqs = [rng.integers(0, 64, n).astype(np.int32) for n in lens]
+    plens = [3] * len(seqs)
+    aux_layers = (0, 1)
+    one = feature_cache(tiny_target, seqs, plens, 128, aux_layers, batch=2, chunk=None)
+    chunked = feature_cache(tiny_target, seqs, plens, 128, aux_layers, batch=2, chunk=16)
+    for i, n in enumerate(lens):
+        n = min(n, 128)
+        np.testing.assert_allclose(chunked[2][i, :n], one[2][i, :n], atol=1e-4)
+        np.testing.assert_allclose(chunked[3][i, :n], one[3][i, :n], atol=1e-4)
+    # ... and the features of a sequence do not depend on the others in its batch
+    alone = feature_cache(tiny_target, seqs[1:2], plens[1:2], 128, aux_layers, batch=2, chunk=16)
+    np.testing.assert_allclose(alone[2][0, :100], one[2][1, :100], atol=1e-4)

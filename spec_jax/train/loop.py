@@ -13,6 +13,7 @@ accuracy of the heads on it (teacher-forced, no input noise) goes into the histo
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import time
 from pathlib import Path
@@ -75,29 +76,72 @@ def token_arrays(seqs, plens, seq_len):
     return toks, mask
 
 
-def feature_cache(target, seqs, plens, seq_len, aux_layers=(), batch=8):
+def feature_cache(target, seqs, plens, seq_len, aux_layers=(), batch=8, chunk="auto"):
     """Run the frozen target once over every sequence (truncated to seq_len).
 
-    Returns tokens [N, L], mask [N, L] (see token_arrays), feats [N, L, H], aux or None."""
-    from spec_jax.cache import cache_for
-    from spec_jax.models.llama import causal_mask, forward
-
+    Returns tokens [N, L], mask [N, L] (see token_arrays), feats [N, L, H], aux or None.
+    chunk: run each batch `chunk` tokens at a time against a KV cache (a chunked prefill) instead
+    of all at once. "auto" picks 64 // batch for targets in the packed CPU layout, so every product
+    has at most 64 rows and goes to the packed kernel (about twice as fast as XLA's dot on the
+    2 048-row products of a whole batch here), and None (one pass) otherwise."""
     toks, mask = token_arrays(seqs, plens, seq_len)
     n = len(seqs)
     cfg = target.cfg
-    fwd = jax.jit(lambda params, t: forward(params, cfg, t, jnp.broadcast_to(
-        jnp.arange(seq_len, dtype=jnp.int32), t.shape), cache_for(cfg, t.shape[0], 1),
-        causal_mask(t.shape[0], seq_len), aux_layers=aux_layers, return_logits=False))
+    if chunk == "auto":
+        from pallas_kernels.cpu_gemm import PackedWeight
+
+        layers = target.params["layers"]
+        packed = isinstance(layers, (list, tuple)) and isinstance(layers[0].get("wq"), PackedWeight)
+        chunk = max(64 // batch, 1) if packed else None
+    fwd = jax.jit(functools.partial(_target_features, target=target, aux_layers=aux_layers,
+                                    chunk=chunk))
     feats = np.zeros((n, seq_len, cfg.hidden_size), np.float32)
     aux = np.zeros((n, seq_len, cfg.hidden_size * len(aux_layers)), np.float32) if aux_layers else None
+    # batches of similar length, each cut to its longest sequence (rounded up to 64 tokens: few
+    # shapes to compile); causal attention makes a position's features independent of the cut
+    lengths = np.minimum([len(x) for x in seqs], seq_len)
+    order = np.argsort(lengths, kind="stable")
     for i in range(0, n, batch):
-        chunk = toks[i:i + batch]
-        pad = batch - len(chunk)
-        out = fwd(target.params, jnp.asarray(np.pad(chunk, ((0, pad), (0, 0)))))
-        feats[i:i + len(chunk)] = np.asarray(out.hidden[:len(chunk)], np.float32)
+        idx = order[i:i + batch]
+        cut = min(seq_len, -(-int(lengths[idx].max()) // 64) * 64)
+        part = np.pad(toks[idx, :cut], ((0, batch - len(idx)), (0, 0)))
+        hidden, aux_hidden = fwd(target.params, jnp.asarray(part))
+        feats[idx, :cut] = np.asarray(hidden[:len(idx)], np.float32)
         if aux is not None:
-            aux[i:i + len(chunk)] = np.asarray(out.aux_hidden[:len(chunk)], np.float32)
+            aux[idx, :cut] = np.asarray(aux_hidden[:len(idx)], np.float32)
     return toks, mask, feats, aux
+
+
+def _target_features(params, tokens, *, target, aux_layers, chunk):
+    """tokens [B, L] -> (hidden [B, L, H], aux [B, L, H * len(aux_layers)] or None)."""
+    from spec_jax.cache import cache_for, commit
+    from spec_jax.models.llama import causal_mask, forward
+
+    cfg = target.cfg
+    b, length = tokens.shape
+    if chunk is None or chunk >= length:
+        out = forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32),
+                      tokens.shape), cache_for(cfg, b, 1), causal_mask(b, length),
+                      aux_layers=aux_layers, return_logits=False)
+        return out.hidden, out.aux_hidden
+    steps = -(-length // chunk)
+    tokens = jnp.pad(tokens, ((0, 0), (0, steps * chunk - length)))
+    arange = jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
+
+    def body(cache, i):
+        pos = i * chunk + arange
+        out = forward(params, cfg, jax.lax.dynamic_slice_in_dim(tokens, i * chunk, chunk, axis=1),
+                      pos, cache, causal_mask(b, chunk), aux_layers=aux_layers,
+                      return_logits=False, attn_impl="auto")
+        # commit after every layer's cache read (see step.py), so the cache is updated in place
+        k, v, hidden, aux = jax.lax.optimization_barrier(
+            (out.k_new, out.v_new, out.hidden, out.aux_hidden))
+        cache = commit(cache, k, v, pos, arange, jnp.full((b,), chunk, jnp.int32))
+        return cache, (hidden, aux)
+
+    _, (hidden, aux) = jax.lax.scan(body, target.new_cache(b, steps * chunk), jnp.arange(steps))
+    join = lambda x: None if x is None else jnp.moveaxis(x, 0, 1).reshape(b, steps * chunk, -1)[:, :length]
+    return join(hidden), join(aux)
 
 
 def batch_indices(n: int, batch: int, step: int, seed: int) -> np.ndarray:
