@@ -88,11 +88,7 @@ def feature_cache(target, seqs, plens, seq_len, aux_layers=(), batch=8, chunk="a
     n = len(seqs)
     cfg = target.cfg
     if chunk == "auto":
-        from pallas_kernels.cpu_gemm import PackedWeight
-
-        layers = target.params["layers"]
-        packed = isinstance(layers, (list, tuple)) and isinstance(layers[0].get("wq"), PackedWeight)
-        chunk = max(64 // batch, 1) if packed else None
+        chunk = max(64 // batch, 1) if target.layout == "packed" else None
     fwd = jax.jit(functools.partial(_target_features, target=target, aux_layers=aux_layers,
                                     chunk=chunk))
     feats = np.zeros((n, seq_len, cfg.hidden_size), np.float32)
