@@ -104,16 +104,17 @@ def distill(target, data_dir, out_dir, num_prompts=1000, max_new_tokens=160, bat
     # 500-token prompt used to pad a whole batch's prefill to 512). Short batches are filled with
     # copies of their last prompt, so there are few shapes to compile. The window is stored in
     # prompt order: the set on disk is always a prefix of the prompt order.
-    window = 8 * batch_size
+    window, budget = 8 * batch_size, batch_size * 128
     for w in range(0, len(todo), window):
         texts = [p.text[:2000] for p in todo[w:w + window]]
         ids = [target.encode(t) for t in texts]
         order = sorted(range(len(texts)), key=lambda j: len(ids[j]))
         answers = [None] * len(texts)
+        padded = lambda k: _bucket(len(ids[order[k]]), 64)  # the k-th shortest prompt, padded
         i = 0
         while i < len(order):
-            rows = max(1, min(batch_size, batch_size * 128 // _bucket(len(ids[order[i]]), 64)))
-            while rows > 1 and batch_size * 128 < rows * _bucket(len(ids[order[min(i + rows, len(order)) - 1]]), 64):
+            rows = max(1, min(batch_size, budget // padded(i)))
+            while rows > 1 and rows * padded(min(i + rows, len(order)) - 1) > budget:
                 rows //= 2
             chunk = order[i:i + rows]
             batch = [ids[j] for j in chunk] + [ids[chunk[-1]]] * (rows - len(chunk))
