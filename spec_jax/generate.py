@@ -28,32 +28,39 @@ def _bucket(n: int, step: int) -> int:
     return max(step, -(-n // step) * step)
 
 
-def resolve_drafter(target: Target, draft, tree, batch: int = 1) -> tuple[Drafter, Any]:
-    """(drafter, draft params) from the `draft=` argument of generate.
+def resolve_drafter(target: Target, draft, tree, batch: int = 1,
+                    attn_impl: str = "auto") -> tuple[Drafter, Any]:
+    """(drafter, draft params) from the `draft=` argument of generate; `attn_impl` is the draft
+    model's attention (feature drafters).
 
     For heads, `tree=None` takes the tree sized for this device, model, heads and batch if one was
     (see `spec_jax.sizing`), else the method's default; `tree="auto"` sizes it now if it was not."""
     if draft is None or draft == "none":
         return Drafter(), ()
-    if isinstance(draft, str) and draft.startswith("ngram"):
-        from spec_jax.heads.ngram import NgramDrafter
+    from spec_jax.heads.ngram import NgramDrafter
 
+    if isinstance(draft, str) and draft.startswith("ngram"):
         return NgramDrafter.from_tree(None if tree == "auto" else tree), ()
+    from spec_jax.heads.graft import GraftDrafter, split_graft
     from spec_jax.heads.registry import DraftHeads
 
     if isinstance(draft, DraftHeads):
         from spec_jax import sizing
 
         draft.check_target(target)
+        tree, graft_n = split_graft(tree)
         if tree in (None, "auto"):
             chosen = sizing.cached_tree(target, draft, batch)
             if chosen is None and tree == "auto":
                 chosen, _ = sizing.size_tree(target, draft, batch=batch)
-            if chosen == sizing.PLAIN:
-                return Drafter(), ()
             tree = chosen
-        drafter = draft.drafter(tree)
-        return drafter, (() if type(drafter) is Drafter else draft.bind(target))
+        drafter = Drafter() if tree == sizing.PLAIN else draft.drafter(tree)
+        if hasattr(drafter, "attn_impl"):
+            drafter = dataclasses.replace(drafter, attn_impl=attn_impl)
+        dparams = () if type(drafter) is Drafter else draft.bind(target)
+        if graft_n:
+            drafter = GraftDrafter(main=drafter, ngram=NgramDrafter(depth=graft_n))
+        return drafter, dparams
     raise SpecJaxError(f"unknown draft {draft!r}: pass 'ngram', heads from spec_jax.init_draft / "
                        "spec_jax.load_draft, or None for plain decoding")
 
@@ -93,9 +100,7 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128,
     b = len(ids)
     p_len = max(len(x) for x in ids)
     p_pad = _bucket(p_len, 64)
-    drafter, dparams = resolve_drafter(target, draft, tree, b)
-    if hasattr(drafter, "attn_impl"):
-        drafter = dataclasses.replace(drafter, attn_impl=attn_impl)
+    drafter, dparams = resolve_drafter(target, draft, tree, b, attn_impl)
     n_slots = _bucket(p_pad + max_new_tokens + 2 * drafter.tree_size + drafter.max_depth + 1, 128)
     if p_len + max_new_tokens > target.cfg.max_position_embeddings:
         raise SpecJaxError(f"prompt ({p_len}) + max_new_tokens ({max_new_tokens}) exceeds the model's "

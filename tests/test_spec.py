@@ -8,10 +8,10 @@ from spec_jax.errors import SpecJaxError
 from tests.conftest import tiny_config
 
 SMALL_TREES = {
-    "eagle": ["dynamic:3,3,8", "chain:2", "mc_sim_7b_63"],
+    "eagle": ["dynamic:3,3,8", "chain:2", "mc_sim_7b_63", "dynamic:3,3,8+ngram:3"],
     "eagle3": ["dynamic:2,4,7", "[[0],[1],[0,0],[1,0],[0,1],[0,0,0]]"],
     "mtp": [None, "[[0],[1],[0,0],[0,0,0],[0,0,1]]"],
-    "medusa": ["[[0],[1],[0,0],[1,0],[0,1],[0,0,0]]", "chain:2"],
+    "medusa": ["[[0],[1],[0,0],[1,0],[0,1],[0,0,0]]", "chain:2", "chain:2+ngram:4"],
 }
 
 

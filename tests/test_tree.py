@@ -75,3 +75,31 @@ def test_parse_tree_options_and_errors():
         StaticTree.from_paths([[0, 1]])
     with pytest.raises(SpecJaxError, match="cannot read tree"):
         parse_tree("bogus")
+
+
+def test_graft_follows_the_tree_then_branches_off():
+    """The n-gram chain reuses the nodes it matches, adds the rest under the last match, and
+    leaves unneeded or invalid chain slots unreachable."""
+    import jax.numpy as jnp
+
+    from spec_jax.heads.graft import graft, split_graft
+    from spec_jax.tree import StaticTree, static_tree_batch
+
+    base = StaticTree.from_paths([[0], [1], [0, 0]])  # root 0; 1 and 2 under root; 3 under 1
+    tree = static_tree_batch(base, jnp.asarray([[9, 5, 6, 7], [9, 5, 6, 7]]), 2)
+    chain = jnp.asarray([[5, 7, 8], [4, 1, 2]])
+    valid = jnp.asarray([[True, True, True], [True, True, False]])
+    g = graft(tree, chain, valid, max_depth=3, max_children=3)
+    # row 0: 5 is node 1, 7 is node 3 (its child), 8 is new under 3; slots 4 and 5 are dead
+    np.testing.assert_array_equal(g.parent[0], [-1, 0, 0, 1, -1, -1, 3])
+    np.testing.assert_array_equal(g.depth[0], [0, 1, 1, 2, 0, 0, 3])
+    # row 1: 4 is new under the root, 1 under it; the invalid third token is dead
+    np.testing.assert_array_equal(g.parent[1], [-1, 0, 0, 1, 0, 4, -1])
+    np.testing.assert_array_equal(g.children[1, 0], [1, 2, 4])
+    np.testing.assert_array_equal(g.children[0, 3], [6, -1, -1])
+    assert bool(g.mask[0, 6, 1]) and bool(g.mask[0, 6, 3]) and not bool(g.mask[0, 6, 2])
+    assert not np.asarray(g.mask[0, 4]).sum() - 1  # a dead node sees only itself
+    assert split_graft("dynamic:8,5,32+ngram:4") == ("dynamic:8,5,32", 4)
+    assert split_graft("auto+ngram:2") == ("auto", 2) and split_graft("+ngram:3") == (None, 3)
+    with pytest.raises(SpecJaxError, match="ngram:N"):
+        split_graft("chain:3+ngram:x")

@@ -62,7 +62,8 @@ class NgramDrafter(Drafter):
         _, next_tok, valid = accepted_chunk(ctx)
         return self._append(state, next_tok, jnp.sum(valid, axis=1).astype(jnp.int32))
 
-    def propose(self, dparams, tparams, tcfg, state: NgramState, root, key):
+    def continuation(self, state: NgramState):
+        """The proposed chain: (tokens [B, depth], valid [B, depth]; valid is a prefix per row)."""
         hist, hlen = state.hist, state.hlen
         b, s = hist.shape
         i = jnp.arange(s)[None, :]  # candidate end of an earlier match
@@ -79,7 +80,10 @@ class NgramDrafter(Drafter):
             best = jnp.where(cand >= 0, cand, best)  # longer n overrides shorter
         j = jnp.arange(1, self.depth + 1)[None, :]
         src = best[:, None] + j
-        tok = jnp.where((best[:, None] >= 0) & (src < hlen[:, None]),
-                        hist[rows, jnp.clip(src, 0, s - 1)], 0)
+        valid = (best[:, None] >= 0) & (src < hlen[:, None])
+        return jnp.where(valid, hist[rows, jnp.clip(src, 0, s - 1)], 0).astype(jnp.int32), valid
+
+    def propose(self, dparams, tparams, tcfg, state: NgramState, root, key):
+        tok, _ = self.continuation(state)
         tokens = jnp.concatenate([root[:, None], tok], axis=1).astype(jnp.int32)
-        return static_tree_batch(StaticTree.chain(self.depth), tokens, b), state
+        return static_tree_batch(StaticTree.chain(self.depth), tokens, root.shape[0]), state

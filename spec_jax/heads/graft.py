@@ -1,0 +1,105 @@
+"""Grafted drafting: any drafter's tree plus the n-gram (prompt lookup) continuation, as one trie.
+
+Small targets repeat themselves (list items, code, text quoted from the prompt or from their own
+earlier output) where a head trained on a few hundred thousand tokens has to guess; the n-gram
+chain is free to draft and costs `depth` more tree tokens to verify. The chain follows the main
+tree while its tokens match a node's child and branches off as new nodes where they stop matching,
+so no token is tried twice under one parent. Chain slots that were not needed (and the whole chain
+when the context has no match) are dead nodes: scored, never reachable, so never accepted.
+
+Written `TREE+ngram:N` wherever a tree is given (e.g. `dynamic:8,5,32+ngram:4`, `auto+ngram:4`).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from spec_jax.errors import SpecJaxError
+from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
+from spec_jax.heads.ngram import NgramDrafter
+from spec_jax.tree import Tree, ancestor_mask, children_table
+
+SUFFIX = "+ngram"
+
+
+def split_graft(tree):
+    """'TREE+ngram:N' -> ('TREE' or None, N); any other tree -> (tree, 0)."""
+    if not isinstance(tree, str) or SUFFIX not in tree:
+        return tree, 0
+    base, _, n = tree.partition(SUFFIX)
+    n = n.lstrip(":") or "4"
+    if not n.isdigit() or int(n) < 1:
+        raise SpecJaxError(f"cannot read {tree!r}: write TREE+ngram:N with N >= 1 n-gram tokens, "
+                           "e.g. dynamic:8,5,32+ngram:4")
+    return (base or None), int(n)
+
+
+@dataclasses.dataclass(frozen=True)
+class GraftDrafter(Drafter):
+    """`main`'s tree with `ngram`'s chain grafted on (see the module docstring)."""
+
+    main: Drafter = Drafter()
+    ngram: NgramDrafter = NgramDrafter(depth=4)
+    method: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "method", f"{self.main.method}+ngram")
+
+    @property
+    def tree_size(self):
+        return self.main.tree_size + self.ngram.depth
+
+    @property
+    def max_depth(self):
+        return max(self.main.max_depth, self.ngram.depth)
+
+    @property
+    def max_children(self):
+        return self.main.max_children + 1
+
+    @property
+    def aux_layers(self):
+        return self.main.aux_layers
+
+    def init_state(self, dparams, tparams, tcfg, batch, num_slots):
+        return (self.main.init_state(dparams, tparams, tcfg, batch, num_slots),
+                self.ngram.init_state((), tparams, tcfg, batch, num_slots))
+
+    def after_prefill(self, dparams, tparams, tcfg, state, ctx: PrefillContext):
+        return (self.main.after_prefill(dparams, tparams, tcfg, state[0], ctx),
+                self.ngram.after_prefill((), tparams, tcfg, state[1], ctx))
+
+    def after_verify(self, dparams, tparams, tcfg, state, ctx: VerifyContext):
+        return (self.main.after_verify(dparams, tparams, tcfg, state[0], ctx),
+                self.ngram.after_verify((), tparams, tcfg, state[1], ctx))
+
+    def propose(self, dparams, tparams, tcfg, state, root, key):
+        tree, main_state = self.main.propose(dparams, tparams, tcfg, state[0], root, key)
+        chain, valid = self.ngram.continuation(state[1])  # [B, N]
+        return graft(tree, chain, valid, self.max_depth, self.max_children), (main_state, state[1])
+
+
+def graft(tree: Tree, chain, valid, max_depth: int, max_children: int) -> Tree:
+    """Merge chain [B, N] (valid [B, N], a prefix per row) into `tree` [B, T] below its root.
+
+    Chain token i becomes node T + i unless it is already a child of the node the chain reached;
+    returns a tree of T + N nodes."""
+    b, t = tree.tokens.shape
+    rows = jnp.arange(b)
+    cur = jnp.zeros((b,), jnp.int32)
+    on_tree = jnp.ones((b,), bool)
+    parents, depths = [], []
+    for i in range(chain.shape[1]):
+        kids = tree.children[rows, jnp.minimum(cur, t - 1)]  # [B, K]
+        same = (kids >= 0) & (tree.tokens[rows[:, None], jnp.maximum(kids, 0)] == chain[:, i:i + 1])
+        hit = on_tree & valid[:, i] & jnp.any(same, axis=1)
+        new = valid[:, i] & ~hit
+        parents.append(jnp.where(new, cur, -1))
+        depths.append(jnp.where(new, i + 1, 0))
+        cur = jnp.where(hit, kids[rows, jnp.argmax(same, axis=1)], t + i)
+        on_tree = hit
+    parent = jnp.concatenate([tree.parent, jnp.stack(parents, 1)], 1).astype(jnp.int32)
+    return Tree(tokens=jnp.concatenate([tree.tokens, chain], 1).astype(jnp.int32), parent=parent,
+                depth=jnp.concatenate([tree.depth, jnp.stack(depths, 1)], 1).astype(jnp.int32),
+                mask=ancestor_mask(parent, max_depth), children=children_table(parent, max_children))
