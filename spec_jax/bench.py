@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from spec_jax.errors import SpecJaxError
-from spec_jax.sizing import PLAIN, size_tree, tree_name, verify_latency
+from spec_jax.sizing import PLAIN, size_tree, tree_name, tree_tokens, verify_latency
 
 
 @dataclasses.dataclass
@@ -238,13 +238,13 @@ def bench_cli(a):
 
 def _curve_table(report) -> str:
     """The sizing curve as Markdown: predicted per tree size, then what was measured end to end."""
-    lines = ["", "| tree tokens | depth | expected τ | step ms (verify + draft) | predicted tok/s |",
-             "|---|---|---|---|---|",
-             f"| 1 (plain) | 0 | 1.00 | {1e3 * report['verify_seconds']['1']:.1f} | "
+    lines = ["", "| tree tokens | of them n-gram | depth | expected τ | step ms (verify + draft) "
+             "| predicted tok/s |", "|---|---|---|---|---|---|",
+             f"| 1 (plain) | 0 | 0 | 1.00 | {1e3 * report['verify_seconds']['1']:.1f} | "
              f"{report['plain_predicted_tokens_per_second']:.1f} |"]
     for c in report["curve"]:
-        lines.append(f"| {c['size']} | {c['depth']} | {c['tau']:.2f} | {1e3 * c['step_seconds']:.1f} | "
-                     f"{c['predicted_tokens_per_second']:.1f} |")
+        lines.append(f"| {c['size']} | {c.get('ngram', 0)} | {c['depth']} | {c['tau']:.2f} | "
+                     f"{1e3 * c['step_seconds']:.1f} | {c['predicted_tokens_per_second']:.1f} |")
     lines += ["", "| measured end to end | τ | tok/s |", "|---|---|---|"]
     for m in report["measured"]:
         lines.append(f"| {tree_name(m['tree'])} | {m['tau']:.2f} | {m['tokens_per_second']:.1f} |")
@@ -260,15 +260,17 @@ def _plot_curve(report, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curve = report["curve"]
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    xs = [1] + [c["size"] for c in curve]
-    ys = [report["plain_predicted_tokens_per_second"]] + [c["predicted_tokens_per_second"]
-                                                          for c in curve]
-    ax.plot(xs, ys, marker="o", label="predicted (measured costs × profile τ)")
+    for g in sorted({c.get("ngram", 0) for c in report["curve"]}):
+        curve = [c for c in report["curve"] if c.get("ngram", 0) == g]
+        xs = [1] * (not g) + [c["size"] for c in curve]
+        ys = [report["plain_predicted_tokens_per_second"]] * (not g) + [
+            c["predicted_tokens_per_second"] for c in curve]
+        ax.plot(xs, ys, marker="o", label="predicted (measured costs × profile τ)" if not g
+                else f"predicted, {g} of the tokens n-gram")
     for m in report["measured"]:
         t = m["tree"]
-        x = 1 if t == PLAIN else (t["total_tokens"] if isinstance(t, dict) else len(t) + 1)
+        x = tree_tokens(t)
         ax.scatter([x], [m["tokens_per_second"]], marker="x", color="k")
         ax.annotate(tree_name(t), (x, m["tokens_per_second"]), fontsize=6)
     ax.set_xscale("log", base=2)

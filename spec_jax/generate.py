@@ -41,26 +41,24 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1,
 
     if isinstance(draft, str) and draft.startswith("ngram"):
         return NgramDrafter.from_tree(None if tree == "auto" else tree), ()
-    from spec_jax.heads.graft import GraftDrafter, split_graft
+    from spec_jax.heads.graft import split_graft, with_graft
     from spec_jax.heads.registry import DraftHeads
 
     if isinstance(draft, DraftHeads):
         from spec_jax import sizing
 
         draft.check_target(target)
-        tree, graft_n = split_graft(tree)
-        if tree in (None, "auto"):
+        base, graft_n = split_graft(tree)
+        if base in (None, "auto"):
             chosen = sizing.cached_tree(target, draft, batch)
-            if chosen is None and tree == "auto":
+            if chosen is None and base == "auto":
                 chosen, _ = sizing.size_tree(target, draft, batch=batch)
             tree = chosen
-        drafter = Drafter() if tree == sizing.PLAIN else draft.drafter(tree)
-        if hasattr(drafter, "attn_impl"):
-            drafter = dataclasses.replace(drafter, attn_impl=attn_impl)
-        dparams = () if type(drafter) is Drafter else draft.bind(target)
-        if graft_n:
-            drafter = GraftDrafter(main=drafter, ngram=NgramDrafter(depth=graft_n))
-        return drafter, dparams
+        drafter = draft.drafter(tree)  # the chosen tree may carry a graft of its own
+        if graft_n:  # the caller's +ngram:N wins
+            drafter = with_graft(drafter, graft_n)
+        drafter = drafter.with_attn_impl(attn_impl)
+        return drafter, (() if type(drafter) is Drafter else draft.bind(target))
     raise SpecJaxError(f"unknown draft {draft!r}: pass 'ngram', heads from spec_jax.init_draft / "
                        "spec_jax.load_draft, or None for plain decoding")
 

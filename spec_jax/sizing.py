@@ -44,13 +44,14 @@ DEFAULT_PROMPTS = [
     "Write a short story about a robot who learns to paint.",
 ]
 TREE_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+GRAFT_DEPTHS = (2, 4, 8)  # n-gram chains tried on top of each tree (spec_jax.heads.graft)
 PLAIN = "plain"
 
 
 def cache_file() -> Path:
     from spec_jax.convert.fetch import cache_dir
 
-    return cache_dir() / "trees-v3.json"
+    return cache_dir() / "trees-v4.json"
 
 
 def calibration_key(target, heads, batch: int) -> str:
@@ -155,12 +156,13 @@ def _prefixes(row):
     return out
 
 
-def replay_tau(profile: list[np.ndarray], paths) -> float:
+def replay_tau(profile: list[np.ndarray], paths, ngram=None, graft: int = 0) -> float:
     """Accepted tokens per target call of greedy decoding with the static tree `paths`, replayed
-    over the rank profile (see `rank_profile`): exact where teacher forcing matches inference."""
+    over the rank profile (see `rank_profile`): exact where teacher forcing matches inference.
+    With `graft` > 0, a `graft`-token n-gram chain is grafted on (`ngram`: see `ngram_profile`)."""
     tree = {tuple(p) for p in paths}
     emitted = steps = 0
-    for ranks in profile:
+    for k, ranks in enumerate(profile):
         i = 0
         while i < len(ranks):
             a = 0
@@ -168,10 +170,38 @@ def replay_tau(profile: list[np.ndarray], paths) -> float:
                 if p not in tree:
                     break
                 a = len(p)
+            if graft:
+                a = max(a, min(int(ngram[k][i]), graft))
             emitted += a + 1
             steps += 1
             i += a + 1
     return emitted / steps if steps else 1.0
+
+
+def ngram_profile(seqs, plens, profile, depth: int) -> list[np.ndarray]:
+    """For the positions of `rank_profile` (same order): how many leading tokens of the n-gram
+    chain (spec_jax.heads.ngram, `depth` tokens) drafted from that root's context are the true
+    continuation. A grafted tree accepts the longer of its own path and this."""
+    from spec_jax.heads.ngram import NgramDrafter, NgramState
+
+    drafter = NgramDrafter(depth=depth)
+    out = []
+    for s, p, ranks in zip(seqs, plens, profile):
+        n = len(ranks)
+        if n == 0:
+            out.append(np.zeros((0,), np.int32))
+            continue
+        s = np.asarray(s, np.int32)
+        hlen = p + 1 + np.arange(n)  # rank row i has its root at token p + i
+        hist = np.broadcast_to(s, (n, len(s)))
+        tok, valid = drafter.continuation(NgramState(hist=jnp.asarray(hist), hlen=jnp.asarray(hlen)))
+        true = np.full((n, depth), -1, np.int32)
+        for i, h in enumerate(hlen):
+            nxt = s[h:h + depth]
+            true[i, :len(nxt)] = nxt
+        agree = np.asarray(valid) & (np.asarray(tok) == true)
+        out.append(np.cumprod(agree, axis=1).sum(axis=1).astype(np.int32))
+    return out
 
 
 def best_trees(profile: list[np.ndarray], sizes=TREE_SIZES) -> list[dict]:
@@ -314,20 +344,39 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
                                            | {max(sizes)}), batch)
     depths = sorted({max(len(p) for p in t["paths"]) for t in trees})
     draft = {d: draft_latency(target, heads, StaticTree.chain(d), batch) for d in depths}
+    # grafting adds the n-gram search and a deeper bookkeeping pass: measured once, at the most
+    graft_cost = 0.0
+    if trees:
+        g = max(GRAFT_DEPTHS)
+        graft_cost = max(draft_latency(target, heads, {"base": StaticTree.chain(depths[0]),
+                                                       "ngram": g}, batch) - draft[depths[0]], 0.0)
+        ngram = ngram_profile(seqs, plens, ranks, g)
     curve = []
     for t in trees:
         d = max(len(p) for p in t["paths"])
-        step = _interp(verify, t["size"]) + draft[d]
-        curve.append({"size": t["size"], "depth": d, "top_k": 1 + max(max(p) for p in t["paths"]),
-                      "tau": t["tau"], "step_seconds": step,
-                      "predicted_tokens_per_second": batch * t["tau"] / step, "paths": t["paths"]})
-    best = max(curve, key=lambda c: c["predicted_tokens_per_second"]) if curve else None
+        for g in (0,) + GRAFT_DEPTHS:
+            size = t["size"] + g
+            if g and size not in verify:  # verify cost steps with the kernel's row blocks
+                continue
+            tau = replay_tau(ranks, t["paths"], ngram, g) if g else t["tau"]
+            step = _interp(verify, size) + draft[d] + (graft_cost if g else 0.0)
+            curve.append({"size": size, "depth": d, "top_k": 1 + max(max(p) for p in t["paths"]),
+                          "ngram": g, "tau": tau, "step_seconds": step,
+                          "predicted_tokens_per_second": batch * tau / step, "paths": t["paths"]})
+    fastest = lambda cs: max(cs, key=lambda c: c["predicted_tokens_per_second"])  # noqa: E731
+    best = fastest(curve) if curve else None
     if best is not None:
-        measured.append(_measure(target, groups, max_new_tokens, best["paths"], heads))
-        if (heads.method in ("eagle", "eagle3") and best["size"] > best["depth"] + 1
-                and best["predicted_tokens_per_second"] > batch / verify[1]):
-            dyn = {"top_k": best["top_k"], "depth": best["depth"], "total_tokens": best["size"]}
-            measured.append(_measure(target, groups, max_new_tokens, dyn, heads))
+        plain_pred = batch / verify[1]
+        picks = [best]
+        if best["ngram"]:  # the best ungrafted tree too: the graft must earn its place end to end
+            picks.append(fastest([c for c in curve if not c["ngram"]]))
+        for c in picks:
+            measured.append(_measure(target, groups, max_new_tokens, _choice(c["paths"], c), heads))
+            size = c["size"] - c["ngram"]
+            if (heads.method in ("eagle", "eagle3") and size > c["depth"] + 1
+                    and c["predicted_tokens_per_second"] > plain_pred):
+                dyn = {"top_k": c["top_k"], "depth": c["depth"], "total_tokens": size}
+                measured.append(_measure(target, groups, max_new_tokens, _choice(dyn, c), heads))
     # A second round, right after the first and in the same order; each candidate keeps its faster
     # run, so a burst of load on a shared machine during one run does not decide the choice.
     for m in measured:
@@ -349,6 +398,11 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
     return winner["tree"], report
 
 
+def _choice(tree, entry) -> object:
+    """A sizing choice as `generate(tree=...)` takes it: the tree, or the tree with its graft."""
+    return {"base": tree, "ngram": entry["ngram"]} if entry["ngram"] else tree
+
+
 def _measure(target, groups, max_new_tokens, tree, heads) -> dict:
     """End-to-end greedy tokens/s and tau over the prompt groups (generate's wall time excludes
     compilation)."""
@@ -367,10 +421,21 @@ def _measure(target, groups, max_new_tokens, tree, heads) -> dict:
             "tau": (tok - n_rows) / max(steps, 1), "outputs": outs}
 
 
+def tree_tokens(tree) -> int:
+    """Tree tokens (nodes incl. the root) of a sizing choice."""
+    if tree == PLAIN:
+        return 1
+    if isinstance(tree, dict) and "ngram" in tree:
+        return tree_tokens(tree["base"]) + int(tree["ngram"])
+    return tree["total_tokens"] if isinstance(tree, dict) else len(tree) + 1
+
+
 def tree_name(tree) -> str:
-    """Short name of a sizing choice: plain, dynamic:K,D,N or 'static N nodes'."""
+    """Short name of a sizing choice: plain, dynamic:K,D,N or 'static N nodes', +ngram:G."""
     if tree == PLAIN:
         return "plain"
+    if isinstance(tree, dict) and "ngram" in tree:
+        return f"{tree_name(tree['base'])}+ngram:{tree['ngram']}"
     if isinstance(tree, dict):
         return "dynamic:{top_k},{depth},{total_tokens}".format(**tree)
     return f"static {len(tree) + 1} nodes, depth {max(len(p) for p in tree)}"

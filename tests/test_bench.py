@@ -56,6 +56,22 @@ def test_best_trees_from_known_ranks():
         5 / 3)
 
 
+def test_ngram_profile_and_grafted_replay_on_a_hand_counted_sequence():
+    """The n-gram profile counts how many chain tokens drafted from each root's context are right
+    (the drafter's own search: latest, longest match); a grafted tree accepts the longer of its own
+    path and the chain, cut to the graft depth."""
+    from spec_jax.sizing import ngram_profile, replay_tau
+
+    seq = [1, 2, 3, 1, 2, 3, 1, 2, 4]
+    ranks = np.full((5, 2), -1)  # the tree itself accepts nothing
+    (ng,) = ngram_profile([seq], [2], [ranks], depth=3)
+    # roots: 3 (no earlier match), 1 -> 2 3 1, 2 -> 3 1 2, 3 -> 1 2 [3 vs 4], 1 -> 2 [3 vs 4]
+    np.testing.assert_array_equal(ng, [0, 3, 3, 2, 1])
+    assert replay_tau([ranks], [[0]], [ng], graft=3) == pytest.approx((1 + 4) / 2)
+    assert replay_tau([ranks], [[0]], [ng], graft=2) == pytest.approx((1 + 3 + 2) / 3)
+    assert replay_tau([ranks], [[0]]) == 1.0
+
+
 def test_rank_profile_matches_the_drafters_own_candidates(tiny_target):
     """The teacher-forced profile sees what the drafter proposes at inference: at each position the
     rank it records is where the true next token sits among the drafter's root candidates."""

@@ -61,6 +61,10 @@ class Drafter:
     def aux_layers(self) -> tuple[int, ...]:
         return ()
 
+    def with_attn_impl(self, impl: str) -> "Drafter":
+        """This drafter with its draft model's attention implementation set (if it has one)."""
+        return self
+
     def init_state(self, dparams, tparams, tcfg, batch: int, num_slots: int):
         return ()
 

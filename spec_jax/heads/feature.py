@@ -72,6 +72,9 @@ class FeatureDrafter(Drafter):
         return dataclasses.replace(self, static_tree=tree, top_k=int(tree.arrays()[2].max()) + 1,
                                    depth=tree.max_depth, total_tokens=tree.size)
 
+    def with_attn_impl(self, impl):
+        return dataclasses.replace(self, attn_impl=impl)
+
     @property
     def tree_size(self) -> int:
         return self.total_tokens

@@ -24,7 +24,10 @@ SUFFIX = "+ngram"
 
 
 def split_graft(tree):
-    """'TREE+ngram:N' -> ('TREE' or None, N); any other tree -> (tree, 0)."""
+    """'TREE+ngram:N' or {"base": TREE, "ngram": N} (a sizing choice) -> (TREE or None, N);
+    any other tree -> (tree, 0)."""
+    if isinstance(tree, dict) and "ngram" in tree:
+        return tree["base"], int(tree["ngram"])
     if not isinstance(tree, str) or SUFFIX not in tree:
         return tree, 0
     base, _, n = tree.partition(SUFFIX)
@@ -33,6 +36,13 @@ def split_graft(tree):
         raise SpecJaxError(f"cannot read {tree!r}: write TREE+ngram:N with N >= 1 n-gram tokens, "
                            "e.g. dynamic:8,5,32+ngram:4")
     return (base or None), int(n)
+
+
+def with_graft(drafter: Drafter, n: int) -> Drafter:
+    """`drafter` with an n-token n-gram chain grafted on (replacing any graft it has); n=0: as is."""
+    if isinstance(drafter, GraftDrafter):
+        drafter = drafter.main
+    return GraftDrafter(main=drafter, ngram=NgramDrafter(depth=n)) if n else drafter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +55,9 @@ class GraftDrafter(Drafter):
 
     def __post_init__(self):
         object.__setattr__(self, "method", f"{self.main.method}+ngram")
+
+    def with_attn_impl(self, impl):
+        return dataclasses.replace(self, main=self.main.with_attn_impl(impl))
 
     @property
     def tree_size(self):

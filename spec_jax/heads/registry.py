@@ -79,7 +79,16 @@ class DraftHeads:
         return params
 
     def drafter(self, tree=None):
-        """The Drafter for these heads; `tree` overrides the tree (see spec_jax.tree.parse_tree)."""
+        """The Drafter for these heads; `tree` overrides the tree (see spec_jax.tree.parse_tree),
+        with an n-gram chain grafted on for `TREE+ngram:N` (see spec_jax.heads.graft)."""
+        from spec_jax.heads.base import Drafter
+        from spec_jax.heads.graft import split_graft, with_graft
+
+        tree, graft_n = split_graft(tree)
+        d = Drafter() if tree == "plain" else self._drafter(tree)
+        return with_graft(d, graft_n)
+
+    def _drafter(self, tree):
         hp = dict(self.hparams)
         t = parse_tree(tree)
         if self.method == "medusa":
