@@ -311,7 +311,7 @@ def _interp(table: dict, t: int) -> float:
 
 # ---- 3. choice ----
 
-def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int = 96,
+def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int = 192,
               sizes=TREE_SIZES, use_cache: bool = True, progress: bool = True):
     """Choose (and cache) the tree for these heads on this device and batch size.
 
