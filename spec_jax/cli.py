@@ -144,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="heads directory, 'ngram', 'random:METHOD' (untrained), or omit for plain")
     g.add_argument("--tree", default=None,
                    help="auto (size the tree for this machine: measured once, then cached) | "
-                        "mc_sim_7b_63 | medusa | chain:N | dynamic:K,D,N | JSON list of paths; "
+                        "mc_sim_7b_63 | medusa | chain:N | dynamic:K,D,N | JSON list of paths, "
+                        "each optionally +ngram:N (graft an N-token n-gram chain onto it); "
                         "omitted: the sized tree if there is one, else the method's default")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
