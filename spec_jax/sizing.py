@@ -44,7 +44,7 @@ DEFAULT_PROMPTS = [
     "Write a short story about a robot who learns to paint.",
 ]
 TREE_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
-GRAFT_DEPTHS = (2, 4, 8)  # n-gram chains tried on top of each tree (spec_jax.heads.graft)
+GRAFT_DEPTHS = (2, 4, 8, 16)  # n-gram chains tried on top of each tree (spec_jax.heads.graft)
 PLAIN = "plain"
 
 

@@ -22,7 +22,7 @@ class NgramState:
 class NgramDrafter(Drafter):
     method: str = "ngram"
     depth: int = 6
-    max_ngram: int = 3
+    max_ngram: int = 8
 
     @classmethod
     def from_tree(cls, tree):
