@@ -243,7 +243,7 @@ def _curve_table(report) -> str:
              f"| 1 (plain) | 0 | 0 | 1.00 | {1e3 * report['verify_seconds']['1']:.1f} | "
              f"{report['plain_predicted_tokens_per_second']:.1f} |"]
     for c in report["curve"]:
-        lines.append(f"| {c['size']} | {c.get('ngram', 0)} | {c['depth']} | {c['tau']:.2f} | "
+        lines.append(f"| {c['size']} | {c['ngram']} | {c['depth']} | {c['tau']:.2f} | "
                      f"{1e3 * c['step_seconds']:.1f} | {c['predicted_tokens_per_second']:.1f} |")
     lines += ["", "| measured end to end | τ | tok/s |", "|---|---|---|"]
     for m in report["measured"]:
@@ -261,8 +261,8 @@ def _plot_curve(report, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    for g in sorted({c.get("ngram", 0) for c in report["curve"]}):
-        curve = [c for c in report["curve"] if c.get("ngram", 0) == g]
+    for g in sorted({c["ngram"] for c in report["curve"]}):
+        curve = [c for c in report["curve"] if c["ngram"] == g]
         xs = [1] * (not g) + [c["size"] for c in curve]
         ys = [report["plain_predicted_tokens_per_second"]] * (not g) + [
             c["predicted_tokens_per_second"] for c in curve]

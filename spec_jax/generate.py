@@ -53,10 +53,10 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1,
             chosen = sizing.cached_tree(target, draft, batch)
             if chosen is None and base == "auto":
                 chosen, _ = sizing.size_tree(target, draft, batch=batch)
-            tree = chosen
-        drafter = draft.drafter(tree)  # the chosen tree may carry a graft of its own
-        if graft_n:  # the caller's +ngram:N wins
-            drafter = with_graft(drafter, graft_n)
+            # the chosen tree may carry a graft of its own; the caller's +ngram:N wins
+            drafter = with_graft(draft.drafter(chosen), graft_n)
+        else:
+            drafter = draft.drafter(tree)
         drafter = drafter.with_attn_impl(attn_impl)
         return drafter, (() if type(drafter) is Drafter else draft.bind(target))
     raise SpecJaxError(f"unknown draft {draft!r}: pass 'ngram', heads from spec_jax.init_draft / "

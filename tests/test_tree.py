@@ -98,7 +98,7 @@ def test_graft_follows_the_tree_then_branches_off():
     np.testing.assert_array_equal(g.children[1, 0], [1, 2, 4])
     np.testing.assert_array_equal(g.children[0, 3], [6, -1, -1])
     assert bool(g.mask[0, 6, 1]) and bool(g.mask[0, 6, 3]) and not bool(g.mask[0, 6, 2])
-    assert not np.asarray(g.mask[0, 4]).sum() - 1  # a dead node sees only itself
+    assert np.asarray(g.mask[0, 4]).sum() == 1  # a dead node sees only itself
     assert split_graft("dynamic:8,5,32+ngram:4") == ("dynamic:8,5,32", 4)
     assert split_graft("auto+ngram:2") == ("auto", 2) and split_graft("+ngram:3") == (None, 3)
     with pytest.raises(SpecJaxError, match="ngram:N"):

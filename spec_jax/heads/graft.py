@@ -40,9 +40,11 @@ def split_graft(tree):
 
 def with_graft(drafter: Drafter, n: int) -> Drafter:
     """`drafter` with an n-token n-gram chain grafted on (replacing any graft it has); n=0: as is."""
+    if not n:
+        return drafter
     if isinstance(drafter, GraftDrafter):
         drafter = drafter.main
-    return GraftDrafter(main=drafter, ngram=NgramDrafter(depth=n)) if n else drafter
+    return GraftDrafter(main=drafter, ngram=NgramDrafter(depth=n))
 
 
 @dataclasses.dataclass(frozen=True)
