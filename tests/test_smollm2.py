@@ -52,6 +52,10 @@ def test_greedy_generate_matches_transformers(smollm2, hf_model, prompt):
 
 
 def eval_prompts(n):
+    if not (SHARED / "data/eval").is_dir():  # read at collection time: say what is missing
+        raise FileNotFoundError(f"{SHARED / 'data/eval'} not found: the SmolLM2 tests read the "
+                                "eval prompt sets from ../shared beside the project root; set "
+                                "SPEC_JAX_SHARED to the folder that holds data/eval")
     sets = {}
     for name, path in [("mt_bench", "mt_bench/question.jsonl"),
                        ("vicuna_bench", "vicuna_bench/question.jsonl")]:
