@@ -42,10 +42,12 @@ def main():
     ap.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
     ap.add_argument("--tau-only", action="store_true", help="skip plain decoding (no equality check)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--datastore", default=None, help="for drafts whose tree has +ds:N")
     ap.add_argument("--layers", default="scan", help="scan compiles much faster than unrolled")
     a = ap.parse_args()
     target = spec_jax.load_target(a.model, layers=a.layers)
     drafts = {d: load_draft(target, d) for d in a.drafts}
+    ds = spec_jax.load_datastore(a.datastore) if a.datastore else None
     stats = defaultdict(lambda: {"prompts": 0, "mismatches": 0, "tokens": 0, "steps": 0})
     t0 = time.time()
     for set_name in a.sets:
@@ -61,7 +63,8 @@ def main():
             draft, tree = drafts[name]
             for i in range(0, len(ps), a.batch):
                 chunk = ps[i:i + a.batch]
-                spec = spec_jax.generate_batch(target, chunk, a.max_new_tokens, draft=draft, tree=tree)
+                spec = spec_jax.generate_batch(target, chunk, a.max_new_tokens, draft=draft, tree=tree,
+                                               datastore=ds if tree and "+ds" in tree else None)
                 plain = spec if a.tau_only else spec_jax.generate_batch(target, chunk, a.max_new_tokens)
                 s = stats[(name, set_name)]
                 for p_, s_ in zip(plain, spec):

@@ -23,5 +23,12 @@ def load_draft(path):
     return _load(path)
 
 
+def load_datastore(path):
+    """A datastore (a corpus of the target's own output) saved by `spec-jax datastore`."""
+    from spec_jax.heads.datastore import load_datastore as _load
+
+    return _load(path)
+
+
 __all__ = ["GenerationResult", "ModelConfig", "SpecJaxError", "Target", "generate", "generate_batch",
-           "init_draft", "load_draft", "load_target", "random_target"]
+           "init_draft", "load_datastore", "load_draft", "load_target", "random_target"]

@@ -20,6 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from spec_jax.errors import SpecJaxError
+from spec_jax.heads.graft import split_datastore
 from spec_jax.sizing import PLAIN, size_tree, tree_name, tree_tokens, verify_latency
 
 
@@ -84,8 +85,9 @@ def markdown(rows) -> str:
 
 
 def run_bench(target, drafts: dict[str, tuple[Any, Any]], prompt_sets: dict[str, list],
-              max_new_tokens: int, progress=True) -> list[Run]:
-    """drafts: name -> (draft, tree); prompt_sets: name -> [Prompt]. Interleaved by prompt."""
+              max_new_tokens: int, progress=True, datastore=None) -> list[Run]:
+    """drafts: name -> (draft, tree); prompt_sets: name -> [Prompt]. Interleaved by prompt.
+    `datastore` serves the drafts whose tree has +ds:N."""
     import spec_jax
     from tqdm import tqdm
 
@@ -93,10 +95,12 @@ def run_bench(target, drafts: dict[str, tuple[Any, Any]], prompt_sets: dict[str,
     items = [(s, p) for s, ps in prompt_sets.items() for p in ps]
     for pset, p in tqdm(items, disable=not progress, desc="bench"):
         for name, (draft, tree) in drafts.items():
-            r = spec_jax.generate(target, p.text, max_new_tokens, draft=draft, tree=tree)
+            kw = {"draft": draft, "tree": tree,
+                  "datastore": datastore if isinstance(tree, str) and "+ds" in tree else None}
+            r = spec_jax.generate(target, p.text, max_new_tokens, **kw)
             if r.stats["compile_seconds"] > 0:  # first use of this shape: run again, compiled
                 c = r.stats["compile_seconds"]
-                r = spec_jax.generate(target, p.text, max_new_tokens, draft=draft, tree=tree)
+                r = spec_jax.generate(target, p.text, max_new_tokens, **kw)
                 r.stats["compile_seconds"] = c
             s = r.stats
             runs.append(Run(method=name, prompt_set=pset, category=p.category,
@@ -205,17 +209,20 @@ def bench_cli(a):
         heads = spec_jax.load_draft(name)
         label = f"{heads.method}" + (f"@{tree}" if tree else "")
         fresh = a.calibrate and name not in sized
-        if tree == "auto" or fresh:
+        base, ds_n = split_datastore(tree or None)
+        if base == "auto" or fresh:
             chosen, report = size_tree(target, heads, use_cache=not fresh)
             sized.add(name)
             (out / f"sizing_{heads.method}.json").write_text(json.dumps(report, indent=1))
             _plot_curve(report, out / f"sizing_{heads.method}.png")
             print(f"{name}: {_curve_table(report)}")
-            if tree == "auto":
-                tree = chosen if chosen != PLAIN else "plain"
-                label = f"{heads.method}@auto({tree_name(chosen)})"
+            if base == "auto":  # with +ds:N, generate grafts it onto the tree just sized
+                label = f"{heads.method}@auto({tree_name(chosen)})" + (f"+ds:{ds_n}" if ds_n else "")
+                if not ds_n:
+                    tree = chosen if chosen != PLAIN else "plain"
         drafts[label] = (None, None) if tree == "plain" else (heads, tree or None)
-    runs = run_bench(target, drafts, sets, a.max_new_tokens)
+    ds = spec_jax.load_datastore(a.datastore) if a.datastore else None
+    runs = run_bench(target, drafts, sets, a.max_new_tokens, datastore=ds)
     items = [(s, p) for s, ps in sets.items() for p in ps]
     for mode in ("greedy", "prompt_lookup"):
         try:

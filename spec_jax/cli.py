@@ -1,4 +1,4 @@
-"""`spec-jax` command line: fetch, convert, generate, demo, distill, train, bench.
+"""`spec-jax` command line: fetch, convert, generate, demo, distill, datastore, train, bench.
 
 Errors a user can fix print one line (`spec-jax: error: ...`) and exit with status 2.
 """
@@ -53,9 +53,10 @@ def cmd_generate(a):
 
     target = spec_jax.load_target(a.model)
     draft = _draft_arg(target, a.draft)
+    ds = spec_jax.load_datastore(a.datastore) if a.datastore else None
     r = spec_jax.generate(target, a.prompt, max_new_tokens=a.max_new_tokens,
                           temperature=a.temperature, top_p=a.top_p, seed=a.seed, chat=not a.no_chat,
-                          draft=draft, tree=a.tree, attn_impl=a.attn_impl)
+                          draft=draft, tree=a.tree, attn_impl=a.attn_impl, datastore=ds)
     if a.json:
         print(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": r.stats}))
     else:
@@ -107,6 +108,18 @@ def cmd_distill(a):
             batch_size=a.batch_size, temperature=a.temperature, seed=a.seed, mix=a.mix)
 
 
+def cmd_datastore(a):
+    import spec_jax
+    from spec_jax.heads.datastore import datastore_from_distill, save_datastore
+
+    target = spec_jax.load_target(a.model)
+    ds = datastore_from_distill(target, a.data, max_ngram=a.max_ngram, min_ngram=a.min_ngram,
+                                depth=a.depth)
+    n = len(ds.tables()["ds_h1"])  # built once here, so a bad corpus fails before anything is written
+    out = save_datastore(ds, a.out, force=a.force)
+    print(f"wrote {out}: {int((ds.tokens >= 0).sum())} tokens, {n} n-grams")
+
+
 def cmd_train(a):
     from spec_jax.train.loop import train_cli
 
@@ -145,8 +158,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--tree", default=None,
                    help="auto (size the tree for this machine: measured once, then cached) | "
                         "mc_sim_7b_63 | medusa | chain:N | dynamic:K,D,N | JSON list of paths, "
-                        "each optionally +ngram:N (graft an N-token n-gram chain onto it); "
+                        "each optionally +ngram:N (graft an N-token n-gram chain onto it) and "
+                        "+ds:N (graft N tokens from --datastore); "
                         "omitted: the sized tree if there is one, else the method's default")
+    g.add_argument("--datastore", default=None,
+                   help="a folder written by `spec-jax datastore`: draft from the target's own "
+                        "earlier output too (+ds:N in --tree, 8 tokens if it does not say)")
     g.add_argument("--max-new-tokens", type=int, default=128)
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -176,6 +193,16 @@ def build_parser() -> argparse.ArgumentParser:
                         "one prompt from each file in turn (chat-like files are small)")
     s.set_defaults(fn=cmd_distill)
 
+    ds = sub.add_parser("datastore", help="a datastore for +ds:N drafting from distilled data")
+    ds.add_argument("--model", default=str(DEFAULT_MODEL))
+    ds.add_argument("--data", required=True, nargs="+", help="folders written by `spec-jax distill`")
+    ds.add_argument("--out", required=True)
+    ds.add_argument("--max-ngram", type=int, default=8)
+    ds.add_argument("--min-ngram", type=int, default=2)
+    ds.add_argument("--depth", type=int, default=8, help="longest continuation it can draft")
+    ds.add_argument("--force", action="store_true", help="replace an existing output")
+    ds.set_defaults(fn=cmd_datastore)
+
     t = sub.add_parser("train", help="train draft heads on self-distillation data")
     t.add_argument("--model", default=str(DEFAULT_MODEL))
     t.add_argument("--method", required=True, choices=["eagle", "eagle3", "medusa", "mtp"])
@@ -201,6 +228,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--limit", type=int, default=10)
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--out", default="bench_out")
+    b.add_argument("--datastore", default=None,
+                   help="datastore folder for drafts whose tree has +ds:N")
     b.add_argument("--calibrate", action="store_true",
                    help="size the tree of every heads afresh (HEADS@auto sizes once, cached) and "
                         "print and plot the curve it was chosen from")

@@ -28,13 +28,34 @@ def _bucket(n: int, step: int) -> int:
     return max(step, -(-n // step) * step)
 
 
-def resolve_drafter(target: Target, draft, tree, batch: int = 1,
-                    attn_impl: str = "auto") -> tuple[Drafter, Any]:
+def resolve_drafter(target: Target, draft, tree, batch: int = 1, attn_impl: str = "auto",
+                    datastore=None) -> tuple[Drafter, Any]:
     """(drafter, draft params) from the `draft=` argument of generate; `attn_impl` is the draft
     model's attention (feature drafters).
 
     For heads, `tree=None` takes the tree sized for this device, model, heads and batch if one was
-    (see `spec_jax.sizing`), else the method's default; `tree="auto"` sizes it now if it was not."""
+    (see `spec_jax.sizing`), else the method's default; `tree="auto"` sizes it now if it was not.
+    With a `datastore` (spec_jax.heads.datastore), its chain is grafted on: `+ds:N` tokens in the
+    tree string, 8 if it does not say."""
+    from spec_jax.heads.graft import split_datastore, with_datastore
+
+    given = tree
+    tree, ds_n = split_datastore(tree)
+    if datastore is None:
+        if ds_n:
+            raise SpecJaxError(f"tree {given!r} drafts from a datastore: pass datastore="
+                               "spec_jax.load_datastore(DIR) (CLI: --datastore DIR)")
+        return _resolve(target, draft, tree, batch, attn_impl)
+    if draft is None or draft == "none":
+        raise SpecJaxError("a datastore drafts beside a drafter: pass draft='ngram' or heads "
+                           "(draft=None is plain decoding)")
+    datastore.check_target(target)
+    drafter, dparams = _resolve(target, draft, tree, batch, attn_impl)
+    drafter = with_datastore(drafter, datastore.chain(ds_n or min(8, datastore.depth)))
+    return drafter, {**(dparams or {}), "datastore": datastore.tables()}
+
+
+def _resolve(target: Target, draft, tree, batch: int, attn_impl: str) -> tuple[Drafter, Any]:
     if draft is None or draft == "none":
         return Drafter(), ()
     from spec_jax.heads.ngram import NgramDrafter
@@ -66,13 +87,17 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1,
 def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 128, *,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
              draft=None, tree=None, attn_impl: str = "auto", stop_at_eos: bool = True,
-             accept_rule: str = "exact", precision: str | None = None) -> GenerationResult:
+             accept_rule: str = "exact", precision: str | None = None,
+             datastore=None) -> GenerationResult:
     """Generate up to max_new_tokens after `prompt` (a string, or a list of token ids).
 
     draft: None (plain decoding), "ngram", or heads from `init_draft`/`load_draft`.
     tree: for heads, None (the tree sized for this device if one was, else the method's default),
     "auto" (size it now if it was not: a one-off measurement, see `spec_jax.sizing`),
-    "dynamic:TOP_K,DEPTH,TOTAL", "mc_sim_7b_63", "medusa", "chain:N", or a list of paths.
+    "dynamic:TOP_K,DEPTH,TOTAL", "mc_sim_7b_63", "medusa", "chain:N", or a list of paths;
+    "TREE+ngram:N" grafts the n-gram chain of the context on, "TREE+ds:N" the datastore's.
+    datastore: a corpus of the target's own output to draft from (`load_datastore`), grafted on
+    with `+ds:N` tokens (8 if the tree does not say).
     Greedy speculative output equals plain greedy output; at temperature > 0 the output
     distribution equals the target's.
     precision: matmul precision of the compiled loop; None is "highest" for float32 targets (on
@@ -81,14 +106,16 @@ def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 
     """
     batch = generate_batch(target, [prompt], max_new_tokens, temperature=temperature, top_p=top_p,
                            seed=seed, chat=chat, draft=draft, tree=tree, attn_impl=attn_impl,
-                           stop_at_eos=stop_at_eos, accept_rule=accept_rule, precision=precision)
+                           stop_at_eos=stop_at_eos, accept_rule=accept_rule, precision=precision,
+                           datastore=datastore)
     return batch[0]
 
 
 def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128, *,
                    temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
                    draft=None, tree=None, attn_impl: str = "auto", stop_at_eos: bool = True,
-                   accept_rule: str = "exact", precision: str | None = None) -> list[GenerationResult]:
+                   accept_rule: str = "exact", precision: str | None = None,
+                   datastore=None) -> list[GenerationResult]:
     """Like `generate` for several prompts at once (one batch, per-row lengths and acceptance)."""
     if max_new_tokens < 1:
         raise SpecJaxError("max_new_tokens must be at least 1")
@@ -98,7 +125,7 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128,
     b = len(ids)
     p_len = max(len(x) for x in ids)
     p_pad = _bucket(p_len, 64)
-    drafter, dparams = resolve_drafter(target, draft, tree, b, attn_impl)
+    drafter, dparams = resolve_drafter(target, draft, tree, b, attn_impl, datastore)
     n_slots = _bucket(p_pad + max_new_tokens + 2 * drafter.tree_size + drafter.max_depth + 1, 128)
     if p_len + max_new_tokens > target.cfg.max_position_embeddings:
         raise SpecJaxError(f"prompt ({p_len}) + max_new_tokens ({max_new_tokens}) exceeds the model's "

@@ -31,13 +31,22 @@ def exact_distribution(target, top_p):
     return probs.reshape(-1)
 
 
+def small_datastore(target):
+    """A corpus over the V-token vocabulary: every context finds a continuation to graft."""
+    from spec_jax.heads.datastore import build_datastore
+
+    rng = np.random.RandomState(0)
+    return build_datastore(target, [rng.randint(0, V, 12) for _ in range(30)], max_ngram=3, depth=3)
+
+
 def empirical(target, draft, tree, accept_rule="exact", top_p=TOP_P):
+    ds = small_datastore(target) if tree and "+ds" in tree else None
     counts = np.zeros(V ** 3)
     per_call = 5000
     for i in range(N_RUNS // per_call):
         rs = spec_jax.generate_batch(target, [PROMPT] * per_call, 3, temperature=TEMP, top_p=top_p,
                                      seed=100 + i, draft=draft, tree=tree, stop_at_eos=False,
-                                     accept_rule=accept_rule)
+                                     accept_rule=accept_rule, datastore=ds)
         for r in rs:
             a, b, c = r.token_ids
             counts[(a * V + b) * V + c] += 1
@@ -57,7 +66,7 @@ def chi2_pvalue(counts, probs):
 
 
 CASES = [("plain", None), ("ngram", None), ("eagle", "dynamic:3,3,8"),
-         ("eagle", "dynamic:2,2,4+ngram:3"),
+         ("eagle", "dynamic:2,2,4+ngram:3"), ("eagle", "dynamic:2,2,4+ngram:2+ds:3"),
          ("eagle", "[[0],[1],[0,0],[0,1],[1,0],[0,0,0]]"), ("eagle3", "dynamic:2,3,6"),
          ("medusa", "[[0],[1],[2],[0,0],[1,0],[0,0,0]]"), ("mtp", None)]
 

@@ -8,19 +8,24 @@ so no token is tried twice under one parent. Chain slots that were not needed (a
 when the context has no match) are dead nodes: scored, never reachable, so never accepted.
 
 Written `TREE+ngram:N` wherever a tree is given (e.g. `dynamic:8,5,32+ngram:4`, `auto+ngram:4`).
+A datastore chain (spec_jax.heads.datastore: what the target wrote after the same n tokens in a
+corpus of its own output) is grafted the same way: `TREE+ds:N`, or both, `TREE+ngram:8+ds:8`.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import jax.numpy as jnp
 
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
+from spec_jax.heads.datastore import DatastoreChain
 from spec_jax.heads.ngram import NgramDrafter
 from spec_jax.tree import Tree, ancestor_mask, children_table
 
 SUFFIX = "+ngram"
+_DS = re.compile(r"\+ds(?::(\w*))?")
 
 
 def split_graft(tree):
@@ -38,6 +43,20 @@ def split_graft(tree):
     return (base or None), int(n)
 
 
+def split_datastore(tree):
+    """'TREE+ds:N' (anywhere among the grafts) -> ('TREE', N); any other tree -> (tree, 0)."""
+    if not isinstance(tree, str):
+        return tree, 0
+    found = _DS.findall(tree)
+    if not found:
+        return tree, 0
+    n = found[-1] or "8"
+    if len(found) > 1 or not n.isdigit() or int(n) < 1:
+        raise SpecJaxError(f"cannot read {tree!r}: write TREE+ds:N once, with N >= 1 datastore "
+                           "tokens, e.g. dynamic:8,5,24+ngram:8+ds:8")
+    return (_DS.sub("", tree) or None), int(n)
+
+
 def with_graft(drafter: Drafter, n: int) -> Drafter:
     """`drafter` with an n-token n-gram chain grafted on (replacing any graft it has); n=0: as is."""
     if not n:
@@ -47,31 +66,50 @@ def with_graft(drafter: Drafter, n: int) -> Drafter:
     return GraftDrafter(main=drafter, ngram=NgramDrafter(depth=n))
 
 
+def with_datastore(drafter: Drafter, chain: DatastoreChain | None) -> Drafter:
+    """`drafter` with a datastore chain grafted on (beside any n-gram chain it has); None: as is."""
+    if chain is None:
+        return drafter
+    if isinstance(drafter, GraftDrafter):
+        return dataclasses.replace(drafter, ds=chain)
+    if isinstance(drafter, NgramDrafter):  # the standalone n-gram drafter: its chain stays
+        return GraftDrafter(main=Drafter(), ngram=drafter, ds=chain)
+    return GraftDrafter(main=drafter, ngram=NgramDrafter(depth=0), ds=chain)
+
+
 @dataclasses.dataclass(frozen=True)
 class GraftDrafter(Drafter):
-    """`main`'s tree with `ngram`'s chain grafted on (see the module docstring)."""
+    """`main`'s tree with `ngram`'s chain (none at depth 0) and `ds`'s chain grafted on (see the
+    module docstring). The n-gram state (the token history) also serves the datastore lookup; the
+    datastore's tables come in the draft params, under "datastore"."""
 
     main: Drafter = Drafter()
     ngram: NgramDrafter = NgramDrafter(depth=4)
+    ds: DatastoreChain | None = None
     method: str = ""
 
     def __post_init__(self):
-        object.__setattr__(self, "method", f"{self.main.method}+ngram")
+        object.__setattr__(self, "method", self.main.method + "+ngram" * (self.ngram.depth > 0)
+                           + "+ds" * (self.ds is not None))
 
     def with_attn_impl(self, impl):
         return dataclasses.replace(self, main=self.main.with_attn_impl(impl))
 
     @property
+    def _ds_depth(self):
+        return self.ds.depth if self.ds is not None else 0
+
+    @property
     def tree_size(self):
-        return self.main.tree_size + self.ngram.depth
+        return self.main.tree_size + self.ngram.depth + self._ds_depth
 
     @property
     def max_depth(self):
-        return max(self.main.max_depth, self.ngram.depth)
+        return max(self.main.max_depth, self.ngram.depth, self._ds_depth)
 
     @property
     def max_children(self):
-        return self.main.max_children + 1
+        return self.main.max_children + (self.ngram.depth > 0) + (self.ds is not None)
 
     @property
     def aux_layers(self):
@@ -91,8 +129,12 @@ class GraftDrafter(Drafter):
 
     def propose(self, dparams, tparams, tcfg, state, root, key):
         tree, main_state = self.main.propose(dparams, tparams, tcfg, state[0], root, key)
-        chain, valid = self.ngram.continuation(state[1])  # [B, N]
-        return graft(tree, chain, valid, self.max_depth, self.max_children), (main_state, state[1])
+        chains = [self.ngram.continuation(state[1])] if self.ngram.depth else []  # [B, N] each
+        if self.ds is not None:
+            chains.append(self.ds.continuation(dparams["datastore"], state[1]))
+        for chain, valid in chains:
+            tree = graft(tree, chain, valid, self.max_depth, self.max_children)
+        return tree, (main_state, state[1])
 
 
 def graft(tree: Tree, chain, valid, max_depth: int, max_children: int) -> Tree:

@@ -1,0 +1,140 @@
+"""Datastore drafting (REST): the lookup tables on hand-built and random corpora, the tree syntax,
+save/load, and greedy equality with plain decoding when its chain is grafted onto any drafter."""
+from collections import Counter
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import spec_jax
+from spec_jax.errors import SpecJaxError
+from spec_jax.heads.datastore import (Datastore, build_datastore, load_datastore, lookup,
+                                      save_datastore)
+from spec_jax.heads.graft import split_datastore
+
+
+def chains(ds: Datastore, contexts, depth=None):
+    """The datastore's continuation of each context, as lists (in-graph lookup, batched)."""
+    depth = depth or ds.depth
+    s = max(len(c) for c in contexts)
+    hist = np.zeros((len(contexts), s), np.int32)
+    for i, c in enumerate(contexts):
+        hist[i, :len(c)] = c
+    tok, valid = lookup(ds.tables(), jnp.asarray(hist), jnp.asarray([len(c) for c in contexts]),
+                        ds.min_ngram, ds.max_ngram, depth)
+    return [t[v].tolist() for t, v in zip(np.asarray(tok), np.asarray(valid))]
+
+
+def corpus(*docs):
+    return Datastore(tokens=np.concatenate([np.r_[d, -1] for d in docs]).astype(np.int32), info={},
+                     min_ngram=2, max_ngram=3, depth=3)
+
+
+def test_majority_continuation_and_longest_match_on_a_hand_built_corpus():
+    ds = corpus([5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 9], [1, 6, 7, 3])
+    assert chains(ds, [[0, 5, 6],  # (5, 6) three times: 7, then 8 in two of them, then the end
+                       [1, 6, 7],  # (1, 6, 7) once beats (6, 7)'s majority 8
+                       [0, 6, 7],  # (6, 7): 8 (twice) over 9 and 3
+                       [2, 4],  # in no document
+                       [6]]) == [[7, 8], [3], [8], [], []]  # [6]: shorter than min_ngram
+
+
+def brute_force(docs, context, min_n, max_n, depth):
+    """The datastore's definition, written plainly: the longest n with an occurrence, then per
+    depth the most frequent next token (lowest id on ties) among occurrences agreeing so far."""
+    for n in range(min(max_n, len(context)), min_n - 1, -1):
+        conts = [d[i + n:] for d in docs for i in range(len(d) - n)
+                 if list(d[i:i + n]) == list(context[-n:])]
+        if conts:
+            out = []
+            for k in range(depth):
+                conts = [c for c in conts if len(c) > k]
+                if not conts:
+                    break
+                tok = min(Counter(int(c[k]) for c in conts).items(), key=lambda kv: (-kv[1], kv[0]))[0]
+                out.append(tok)
+                conts = [c for c in conts if c[k] == tok]
+            return out
+    return []
+
+
+def test_lookup_matches_a_brute_force_search_on_random_corpora():
+    rng = np.random.RandomState(0)
+    for trial in range(3):
+        docs = [rng.randint(0, 4 + trial, rng.randint(1, 30)) for _ in range(20)]
+        ds = Datastore(tokens=np.concatenate([np.r_[d, -1] for d in docs]).astype(np.int32), info={},
+                       min_ngram=1 + trial % 2, max_ngram=4, depth=5)
+        contexts = [list(rng.randint(0, 4 + trial, rng.randint(1, 8))) for _ in range(40)]
+        want = [brute_force(docs, c, ds.min_ngram, ds.max_ngram, ds.depth) for c in contexts]
+        assert chains(ds, contexts) == want
+        assert sum(map(len, want)) > 40  # the corpora are small-vocabulary: most contexts match
+
+
+def test_tree_syntax():
+    assert split_datastore("dynamic:8,5,24+ngram:8+ds:8") == ("dynamic:8,5,24+ngram:8", 8)
+    assert split_datastore("auto+ds:4+ngram:2") == ("auto+ngram:2", 4)
+    assert split_datastore("+ds") == (None, 8) and split_datastore("chain:3") == ("chain:3", 0)
+    for bad in ("chain:3+ds:x", "chain:3+ds:0", "+ds:2+ds:3"):
+        with pytest.raises(SpecJaxError, match=r"\+ds:N"):
+            split_datastore(bad)
+
+
+@pytest.fixture(scope="module")
+def own_output(tiny_target):
+    """Prompts and the tiny target's greedy continuations of them: the datastore's corpus."""
+    rng = np.random.RandomState(3)
+    prompts = [list(np.tile(rng.randint(0, 64, 4), 3)) for _ in range(6)]
+    outs = spec_jax.generate_batch(tiny_target, prompts, 40, stop_at_eos=False)
+    return prompts, [p + r.token_ids for p, r in zip(prompts, outs)]
+
+
+@pytest.fixture(scope="module")
+def datastore(tiny_target, own_output):
+    prompts, seqs = own_output
+    return build_datastore(tiny_target, seqs, [len(p) for p in prompts], {"sources": ["test"]})
+
+
+@pytest.mark.parametrize("method,tree", [("eagle", "dynamic:3,3,8+ngram:3+ds:4"),
+                                         ("eagle", "chain:2+ds:6"), ("medusa", "chain:2+ds:3"),
+                                         ("eagle", "plain+ds:8"), ("ngram", "+ds:5")])
+def test_grafted_datastore_keeps_greedy_output_and_drafts_the_targets_own_words(
+        tiny_target, own_output, datastore, method, tree):
+    draft = "ngram" if method == "ngram" else spec_jax.init_draft(tiny_target, method, seed=7,
+                                                                  scale=0.3)
+    prompts, seqs = own_output
+    rng = np.random.RandomState(1)
+    fresh = [list(rng.randint(0, 64, 9))]  # not in the corpus
+    for prompt in prompts[:2] + fresh:
+        plain = spec_jax.generate(tiny_target, prompt, 30, stop_at_eos=False)
+        spec = spec_jax.generate(tiny_target, prompt, 30, draft=draft, tree=tree,
+                                 datastore=datastore, stop_at_eos=False)
+        assert spec.token_ids == plain.token_ids, (method, tree, prompt)
+    # on a prompt whose continuation is in the corpus, the datastore chain is accepted
+    if tree.startswith(("plain", "chain:2+ds:6")):
+        r = spec_jax.generate(tiny_target, prompts[0], 30, draft=draft, tree=tree,
+                              datastore=datastore, stop_at_eos=False)
+        assert r.stats["mean_accepted"] > 2.0, r.stats
+
+
+def test_datastore_errors_name_the_fix(tiny_target, datastore, tmp_path):
+    heads = spec_jax.init_draft(tiny_target, "eagle", seed=7, scale=0.3)
+    with pytest.raises(SpecJaxError, match="pass datastore="):
+        spec_jax.generate(tiny_target, [1, 2, 3], 4, draft=heads, tree="chain:2+ds:3")
+    with pytest.raises(SpecJaxError, match="draft='ngram' or heads"):
+        spec_jax.generate(tiny_target, [1, 2, 3], 4, datastore=datastore)
+    with pytest.raises(SpecJaxError, match="at most 8 tokens"):
+        spec_jax.generate(tiny_target, [1, 2, 3], 4, draft=heads, tree="chain:2+ds:9",
+                          datastore=datastore)
+    out = save_datastore(datastore, tmp_path / "ds")
+    with pytest.raises(SpecJaxError, match="already exists"):
+        save_datastore(datastore, out)
+    back = load_datastore(out)
+    np.testing.assert_array_equal(back.tokens, datastore.tokens)
+    assert (back.depth, back.max_ngram, back.info["sources"]) == (8, 8, ["test"])
+    for k, v in datastore.tables().items():
+        np.testing.assert_array_equal(np.asarray(back.tables()[k]), np.asarray(v))
+    other = spec_jax.random_target(tiny_target.cfg, seed=1, scale=0.3)
+    with pytest.raises(SpecJaxError, match="another target"):
+        spec_jax.generate(other, [1, 2, 3], 4, draft="ngram", datastore=back)
+    with pytest.raises(SpecJaxError, match="spec-jax datastore"):
+        load_datastore(tmp_path)
