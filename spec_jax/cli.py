@@ -112,6 +112,8 @@ def cmd_datastore(a):
     import spec_jax
     from spec_jax.heads.datastore import datastore_from_distill, save_datastore
 
+    if Path(a.out).exists() and not a.force:  # said before the build, not after it
+        raise SpecJaxError(f"{a.out} already exists: choose another --out or pass --force to replace it")
     target = spec_jax.load_target(a.model)
     ds = datastore_from_distill(target, a.data, max_ngram=a.max_ngram, min_ngram=a.min_ngram,
                                 depth=a.depth)

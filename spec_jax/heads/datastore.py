@@ -196,14 +196,17 @@ def build_datastore(target, sequences, prompt_lens=None, info: dict | None = Non
     return Datastore(tokens=np.concatenate(parts), info=info, **kw)
 
 
+_MANIFEST_KEYS = ("prompt_source", "mix", "seed", "samples", "max_new_tokens", "temperature",
+                  "target", "target_fingerprint")
+
+
 def datastore_from_distill(target, paths, **kw) -> Datastore:
     """A datastore of the responses of `spec-jax distill` sets (each checked to be this target's)."""
     from spec_jax.train.distill import load_sets
 
     seqs, plens, manifests = load_sets(paths, target)
     info = {"sources": [str(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)],
-            "samples": len(seqs), "manifests": [{k: m.get(k) for k in ("target", "sampling", "mix")
-                                                 if k in m} for m in manifests]}
+            "samples": len(seqs), "manifests": [{k: m[k] for k in _MANIFEST_KEYS if k in m} for m in manifests]}
     return build_datastore(target, seqs, plens, info, **kw)
 
 
