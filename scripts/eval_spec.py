@@ -16,6 +16,7 @@ from collections import defaultdict
 
 import spec_jax
 from spec_jax.data import read_prompts
+from spec_jax.heads.graft import uses_datastore
 
 SETS = {"mt_bench": "../shared/data/eval/mt_bench/question.jsonl",
         "vicuna_bench": "../shared/data/eval/vicuna_bench/question.jsonl",
@@ -64,7 +65,7 @@ def main():
             for i in range(0, len(ps), a.batch):
                 chunk = ps[i:i + a.batch]
                 spec = spec_jax.generate_batch(target, chunk, a.max_new_tokens, draft=draft, tree=tree,
-                                               datastore=ds if tree and "+ds" in tree else None)
+                                               datastore=ds if uses_datastore(tree) else None)
                 plain = spec if a.tau_only else spec_jax.generate_batch(target, chunk, a.max_new_tokens)
                 s = stats[(name, set_name)]
                 for p_, s_ in zip(plain, spec):

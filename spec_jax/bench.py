@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 
 from spec_jax.errors import SpecJaxError
-from spec_jax.heads.graft import split_datastore
+from spec_jax.heads.graft import split_datastore, uses_datastore
 from spec_jax.sizing import PLAIN, size_tree, tree_name, tree_tokens, verify_latency
 
 
@@ -96,7 +96,7 @@ def run_bench(target, drafts: dict[str, tuple[Any, Any]], prompt_sets: dict[str,
     for pset, p in tqdm(items, disable=not progress, desc="bench"):
         for name, (draft, tree) in drafts.items():
             kw = {"draft": draft, "tree": tree,
-                  "datastore": datastore if isinstance(tree, str) and "+ds" in tree else None}
+                  "datastore": datastore if uses_datastore(tree) else None}
             r = spec_jax.generate(target, p.text, max_new_tokens, **kw)
             if r.stats["compile_seconds"] > 0:  # first use of this shape: run again, compiled
                 c = r.stats["compile_seconds"]
@@ -199,6 +199,7 @@ def bench_cli(a):
     for path in a.prompts:
         ps = read_prompts(path)
         sets[Path(path).parent.name if Path(path).is_file() else Path(path).name] = ps[:a.limit]
+    ds = spec_jax.load_datastore(a.datastore) if a.datastore else None
     drafts: dict[str, tuple] = {"plain": (None, None)}
     sized = set()  # heads sized in this run (--calibrate sizes each once)
     for spec in a.drafts:
@@ -211,7 +212,7 @@ def bench_cli(a):
         fresh = a.calibrate and name not in sized
         base, ds_n = split_datastore(tree or None)
         if base == "auto" or fresh:
-            chosen, report = size_tree(target, heads, use_cache=not fresh)
+            chosen, report = size_tree(target, heads, use_cache=not fresh, datastore=ds)
             sized.add(name)
             (out / f"sizing_{heads.method}.json").write_text(json.dumps(report, indent=1))
             _plot_curve(report, out / f"sizing_{heads.method}.png")
@@ -221,7 +222,6 @@ def bench_cli(a):
                 if not ds_n:
                     tree = chosen if chosen != PLAIN else "plain"
         drafts[label] = (None, None) if tree == "plain" else (heads, tree or None)
-    ds = spec_jax.load_datastore(a.datastore) if a.datastore else None
     runs = run_bench(target, drafts, sets, a.max_new_tokens, datastore=ds)
     items = [(s, p) for s, ps in sets.items() for p in ps]
     for mode in ("greedy", "prompt_lookup"):
@@ -245,13 +245,14 @@ def bench_cli(a):
 
 def _curve_table(report) -> str:
     """The sizing curve as Markdown: predicted per tree size, then what was measured end to end."""
-    lines = ["", "| tree tokens | of them n-gram | depth | expected τ | step ms (verify + draft) "
-             "| predicted tok/s |", "|---|---|---|---|---|---|",
-             f"| 1 (plain) | 0 | 0 | 1.00 | {1e3 * report['verify_seconds']['1']:.1f} | "
+    lines = ["", "| tree tokens | of them n-gram | of them datastore | depth | expected τ | "
+             "step ms (verify + draft) | predicted tok/s |", "|---|---|---|---|---|---|---|",
+             f"| 1 (plain) | 0 | 0 | 0 | 1.00 | {1e3 * report['verify_seconds']['1']:.1f} | "
              f"{report['plain_predicted_tokens_per_second']:.1f} |"]
     for c in report["curve"]:
-        lines.append(f"| {c['size']} | {c['ngram']} | {c['depth']} | {c['tau']:.2f} | "
-                     f"{1e3 * c['step_seconds']:.1f} | {c['predicted_tokens_per_second']:.1f} |")
+        lines.append(f"| {c['size']} | {c['ngram']} | {c.get('ds', 0)} | {c['depth']} | "
+                     f"{c['tau']:.2f} | {1e3 * c['step_seconds']:.1f} | "
+                     f"{c['predicted_tokens_per_second']:.1f} |")
     lines += ["", "| measured end to end | τ | tok/s |", "|---|---|---|"]
     for m in report["measured"]:
         lines.append(f"| {tree_name(m['tree'])} | {m['tau']:.2f} | {m['tokens_per_second']:.1f} |")
@@ -268,13 +269,14 @@ def _plot_curve(report, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(5, 3.5))
-    for g in sorted({c["ngram"] for c in report["curve"]}):
-        curve = [c for c in report["curve"] if c["ngram"] == g]
-        xs = [1] * (not g) + [c["size"] for c in curve]
-        ys = [report["plain_predicted_tokens_per_second"]] * (not g) + [
+    for g, n in sorted({(c["ngram"], c.get("ds", 0)) for c in report["curve"]}):
+        curve = [c for c in report["curve"] if (c["ngram"], c.get("ds", 0)) == (g, n)]
+        plain = not g and not n
+        xs = [1] * plain + [c["size"] for c in curve]
+        ys = [report["plain_predicted_tokens_per_second"]] * plain + [
             c["predicted_tokens_per_second"] for c in curve]
-        ax.plot(xs, ys, marker="o", label="predicted (measured costs × profile τ)" if not g
-                else f"predicted, {g} of the tokens n-gram")
+        ax.plot(xs, ys, marker="o", label="predicted (measured costs × profile τ)" if plain
+                else f"predicted, {g} n-gram + {n} datastore tokens")
     for m in report["measured"]:
         t = m["tree"]
         x = tree_tokens(t)

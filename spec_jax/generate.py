@@ -33,55 +33,57 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1, attn_impl: str 
     """(drafter, draft params) from the `draft=` argument of generate; `attn_impl` is the draft
     model's attention (feature drafters).
 
-    For heads, `tree=None` takes the tree sized for this device, model, heads and batch if one was
-    (see `spec_jax.sizing`), else the method's default; `tree="auto"` sizes it now if it was not.
-    With a `datastore` (spec_jax.heads.datastore), its chain is grafted on: `+ds:N` tokens in the
-    tree string, 8 if it does not say."""
-    from spec_jax.heads.graft import split_datastore, with_datastore
+    For heads, `tree=None` takes the tree sized for this device, model, heads, batch (and
+    datastore) if one was (see `spec_jax.sizing`), else the method's default; `tree="auto"` sizes
+    it now if it was not. With a `datastore` (spec_jax.heads.datastore), its chain is grafted on:
+    `+ds:N` tokens where the tree says, as sized for `auto`, else 8."""
+    from spec_jax.heads.graft import split_datastore, split_graft, with_datastore, with_graft
+    from spec_jax.heads.ngram import NgramDrafter
+    from spec_jax.heads.registry import DraftHeads
 
     given = tree
     tree, ds_n = split_datastore(tree)
-    if datastore is None:
-        if ds_n:
-            raise SpecJaxError(f"tree {given!r} drafts from a datastore: pass datastore="
-                               "spec_jax.load_datastore(DIR) (CLI: --datastore DIR)")
-        return _resolve(target, draft, tree, batch, attn_impl)
+    if ds_n and datastore is None:
+        raise SpecJaxError(f"tree {given!r} drafts from a datastore: pass datastore="
+                           "spec_jax.load_datastore(DIR) (CLI: --datastore DIR)")
     if draft is None or draft == "none":
-        raise SpecJaxError("a datastore drafts beside a drafter: pass draft='ngram' or heads "
-                           "(draft=None is plain decoding)")
-    datastore.check_target(target)
-    drafter, dparams = _resolve(target, draft, tree, batch, attn_impl)
-    drafter = with_datastore(drafter, datastore.chain(ds_n or min(8, datastore.depth)))
-    return drafter, {**(dparams or {}), "datastore": datastore.tables()}
-
-
-def _resolve(target: Target, draft, tree, batch: int, attn_impl: str) -> tuple[Drafter, Any]:
-    if draft is None or draft == "none":
+        if datastore is not None:
+            raise SpecJaxError("a datastore drafts beside a drafter: pass draft='ngram' or heads "
+                               "(draft=None is plain decoding)")
         return Drafter(), ()
-    from spec_jax.heads.ngram import NgramDrafter
-
+    if datastore is not None:
+        datastore.check_target(target)
     if isinstance(draft, str) and draft.startswith("ngram"):
-        return NgramDrafter.from_tree(None if tree == "auto" else tree), ()
-    from spec_jax.heads.graft import split_graft, with_graft
-    from spec_jax.heads.registry import DraftHeads
-
-    if isinstance(draft, DraftHeads):
+        drafter, dparams = NgramDrafter.from_tree(None if tree == "auto" else tree), ()
+    elif isinstance(draft, DraftHeads):
         from spec_jax import sizing
 
         draft.check_target(target)
         base, graft_n = split_graft(tree)
         if base in (None, "auto"):
-            chosen = sizing.cached_tree(target, draft, batch)
+            chosen = sizing.cached_tree(target, draft, batch, datastore)
             if chosen is None and base == "auto":
-                chosen, _ = sizing.size_tree(target, draft, batch=batch)
+                chosen, _ = sizing.size_tree(target, draft, batch=batch, datastore=datastore)
+            chosen, sized_ds = split_datastore(chosen)
+            if ds_n is None and chosen is not None:  # the sizing weighed the datastore: its call
+                ds_n = 0 if chosen == sizing.PLAIN else sized_ds
             # the chosen tree may carry a graft of its own; the caller's +ngram:N wins
             drafter = with_graft(draft.drafter(chosen), graft_n)
         else:
             drafter = draft.drafter(tree)
         drafter = drafter.with_attn_impl(attn_impl)
-        return drafter, (() if type(drafter) is Drafter else draft.bind(target))
-    raise SpecJaxError(f"unknown draft {draft!r}: pass 'ngram', heads from spec_jax.init_draft / "
-                       "spec_jax.load_draft, or None for plain decoding")
+        dparams = () if type(drafter) is Drafter else draft.bind(target)
+    else:
+        raise SpecJaxError(f"unknown draft {draft!r}: pass 'ngram', heads from spec_jax.init_draft / "
+                           "spec_jax.load_draft, or None for plain decoding")
+    if datastore is None:
+        return drafter, dparams
+    if ds_n is None:
+        ds_n = min(8, datastore.depth)
+    if not ds_n:
+        return drafter, dparams
+    return (with_datastore(drafter, datastore.chain(ds_n)),
+            {**(dparams or {}), "datastore": datastore.tables()})
 
 
 def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 128, *,

@@ -45,6 +45,7 @@ DEFAULT_PROMPTS = [
 ]
 TREE_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 GRAFT_DEPTHS = (2, 4, 8, 16)  # n-gram chains tried on top of each tree (spec_jax.heads.graft)
+DS_DEPTHS = (4, 8)  # datastore chains tried too, when sizing with a datastore
 PLAIN = "plain"
 
 
@@ -54,25 +55,27 @@ def cache_file() -> Path:
     return cache_dir() / "trees-v4.json"
 
 
-def calibration_key(target, heads, batch: int) -> str:
+def calibration_key(target, heads, batch: int, datastore=None) -> str:
     from pallas_kernels.dispatch import default_impl
 
     return (f"{jax.devices()[0].device_kind}|{target.fingerprint()}|{heads.method}:"
-            f"{heads.fingerprint()}|{target.layout}|attn-{default_impl()}|{batch}")
+            f"{heads.fingerprint()}|{target.layout}|attn-{default_impl()}|{batch}"
+            + (f"|ds-{datastore.fingerprint()}" if datastore is not None else ""))
 
 
-def _entry(target, heads, batch: int):
-    """The cached sizing report for these heads here, or None."""
+def _entry(target, heads, batch: int, datastore=None):
+    """The cached sizing report for these heads (and datastore) here, or None."""
     f = cache_file()
     if not f.is_file():
         return None
-    return json.loads(f.read_text()).get(calibration_key(target, heads, batch))
+    return json.loads(f.read_text()).get(calibration_key(target, heads, batch, datastore))
 
 
-def cached_tree(target, heads, batch: int = 1):
-    """The cached choice for these heads here: PLAIN, a list of paths, a dynamic-tree dict, or
-    None when this device, target, heads and batch size were never calibrated."""
-    entry = _entry(target, heads, batch)
+def cached_tree(target, heads, batch: int = 1, datastore=None):
+    """The cached choice for these heads (and datastore) here: PLAIN, a list of paths, a
+    dynamic-tree dict, a {"base", "ngram", "ds"} graft, or None when this device, target, heads,
+    batch size (and datastore) were never calibrated."""
+    entry = _entry(target, heads, batch, datastore)
     return None if entry is None else entry["tree"]
 
 
@@ -156,10 +159,12 @@ def _prefixes(row):
     return out
 
 
-def replay_tau(profile: list[np.ndarray], paths, ngram=None, graft: int = 0) -> float:
+def replay_tau(profile: list[np.ndarray], paths, ngram=None, graft: int = 0, ds=None,
+               ds_graft: int = 0) -> float:
     """Accepted tokens per target call of greedy decoding with the static tree `paths`, replayed
     over the rank profile (see `rank_profile`): exact where teacher forcing matches inference.
-    With `graft` > 0, a `graft`-token n-gram chain is grafted on (`ngram`: see `ngram_profile`)."""
+    With `graft` > 0, a `graft`-token n-gram chain is grafted on (`ngram`: see `chain_profile`),
+    with `ds_graft` > 0 a datastore chain (`ds`); the longest accepted of tree and chains wins."""
     tree = {tuple(p) for p in paths}
     emitted = steps = 0
     for k, ranks in enumerate(profile):
@@ -172,19 +177,22 @@ def replay_tau(profile: list[np.ndarray], paths, ngram=None, graft: int = 0) -> 
                 a = len(p)
             if graft:
                 a = max(a, min(int(ngram[k][i]), graft))
+            if ds_graft:
+                a = max(a, min(int(ds[k][i]), ds_graft))
             emitted += a + 1
             steps += 1
             i += a + 1
     return emitted / steps if steps else 1.0
 
 
-def ngram_profile(seqs, plens, profile, depth: int) -> list[np.ndarray]:
-    """For the positions of `rank_profile` (same order): how many leading tokens of the n-gram
-    chain (spec_jax.heads.ngram, `depth` tokens) drafted from that root's context are the true
-    continuation. A grafted tree accepts the longer of its own path and this."""
+def chain_profile(seqs, plens, profile, depth: int, continuation=None) -> list[np.ndarray]:
+    """For the positions of `rank_profile` (same order): how many leading tokens of a chain
+    drafted from that root's context are the true continuation. `continuation(NgramState)` ->
+    (tokens [B, depth], valid [B, depth]) drafts it; the default is the n-gram drafter's
+    (spec_jax.heads.ngram). A grafted tree accepts the longer of its own path and this."""
     from spec_jax.heads.ngram import NgramDrafter, NgramState
 
-    drafter = NgramDrafter(depth=depth)
+    continuation = continuation or NgramDrafter(depth=depth).continuation
     out = []
     for s, p, ranks in zip(seqs, plens, profile):
         n = len(ranks)
@@ -194,7 +202,7 @@ def ngram_profile(seqs, plens, profile, depth: int) -> list[np.ndarray]:
         s = np.asarray(s, np.int32)
         hlen = p + 1 + np.arange(n)  # rank row i has its root at token p + i
         hist = np.broadcast_to(s, (n, len(s)))
-        tok, valid = drafter.continuation(NgramState(hist=jnp.asarray(hist), hlen=jnp.asarray(hlen)))
+        tok, valid = continuation(NgramState(hist=jnp.asarray(hist), hlen=jnp.asarray(hlen)))
         true = np.full((n, depth), -1, np.int32)
         for i, h in enumerate(hlen):
             nxt = s[h:h + depth]
@@ -253,14 +261,19 @@ def verify_latency(target, sizes, batch: int = 1, fill: int = 256, iters: int = 
 
 
 def draft_latency(target, heads, tree, batch: int = 1, fill: int = 256, iters: int = 8,
-                  repeats: int = 3) -> float:
+                  repeats: int = 3, datastore=None) -> float:
     """Seconds of one draft step for `tree` as it runs inside the generation loop: propose, then
     the bookkeeping after a verification (re-running the accepted tokens into the draft's cache),
     `iters` steps in one `fori_loop` after a `fill`-token prefill, per step, best of `repeats`."""
     from spec_jax.heads.base import PrefillContext, VerifyContext
+    from spec_jax.heads.graft import split_datastore, with_datastore
 
+    tree, ds_n = split_datastore(tree)
     drafter = heads.drafter(tree)
     dparams = heads.bind(target)
+    if ds_n:
+        drafter = with_datastore(drafter, datastore.chain(ds_n))
+        dparams = {**dparams, "datastore": datastore.tables()}
     cfg = target.cfg
     h, n_aux = cfg.hidden_size, len(drafter.aux_layers)
     slots = fill + iters * (drafter.max_depth + 1) + drafter.tree_size + 64
@@ -312,16 +325,18 @@ def _interp(table: dict, t: int) -> float:
 # ---- 3. choice ----
 
 def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int = 192,
-              sizes=TREE_SIZES, use_cache: bool = True, progress: bool = True):
-    """Choose (and cache) the tree for these heads on this device and batch size.
+              sizes=TREE_SIZES, use_cache: bool = True, progress: bool = True, datastore=None):
+    """Choose (and cache) the tree for these heads (and datastore) on this device and batch size.
 
-    Returns (tree, report): tree is PLAIN, a list of paths or a dynamic-tree dict (anything
-    `generate(tree=...)` takes); report holds the profile size, the costs, the predicted curve and
-    the end-to-end measurements the choice was made from."""
+    Returns (tree, report): tree is PLAIN, a list of paths, a dynamic-tree dict or one of these
+    with grafts (anything `generate(tree=...)` takes); report holds the profile size, the costs,
+    the predicted curve and the end-to-end measurements the choice was made from. With a
+    `datastore`, datastore chains of DS_DEPTHS tokens are weighed too (and the choice says how
+    many, 0 included)."""
     from spec_jax.tree import StaticTree
 
-    key = calibration_key(target, heads, batch)
-    entry = _entry(target, heads, batch) if use_cache else None
+    key = calibration_key(target, heads, batch, datastore)
+    entry = _entry(target, heads, batch, datastore) if use_cache else None
     if entry is not None:
         return entry["tree"], entry
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if progress else (lambda *a: None)
@@ -330,7 +345,8 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
     say(f"sizing the draft tree for {heads.method} heads on {jax.devices()[0].device_kind}, "
         f"batch {batch} (once; cached in {cache_file()}) ...")
     groups = [(texts[i:] + texts * batch)[:batch] for i in range(0, len(texts), batch)]
-    measured = [_measure(target, groups, max_new_tokens, PLAIN, None)]
+    measure = lambda tree: _measure(target, groups, max_new_tokens, tree, heads, datastore)  # noqa: E731
+    measured = [measure(PLAIN)]
     # plain decoding's outputs are the greedy continuations the profile runs along
     seqs, plens = [], []
     for rows, outs in zip(groups, measured[0].pop("outputs")):
@@ -347,44 +363,57 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
     depths = sorted({max(len(p) for p in t["paths"]) for t in trees})
     draft = {d: draft_latency(target, heads, StaticTree.chain(d), batch) for d in depths}
     # grafting adds the n-gram search and a deeper bookkeeping pass: measured once, at the most
-    graft_cost = 0.0
+    graft_cost = ds_cost = 0.0
+    ds_depths = (0,) + tuple(n for n in DS_DEPTHS if datastore is not None and n <= datastore.depth)
     if trees:
-        g = max(GRAFT_DEPTHS)
-        graft_cost = max(draft_latency(target, heads, {"base": StaticTree.chain(depths[0]),
-                                                       "ngram": g}, batch) - draft[depths[0]], 0.0)
-        ngram = ngram_profile(seqs, plens, ranks, g)
+        g, base = max(GRAFT_DEPTHS), StaticTree.chain(depths[0])
+        graft_cost = max(draft_latency(target, heads, {"base": base, "ngram": g}, batch)
+                         - draft[depths[0]], 0.0)
+        ngram = chain_profile(seqs, plens, ranks, g)
+        if len(ds_depths) > 1:  # the lookup's own cost, on top of the n-gram graft's
+            n = ds_depths[-1]
+            ds_cost = max(draft_latency(target, heads, {"base": base, "ngram": g, "ds": n}, batch,
+                                        datastore=datastore) - draft[depths[0]] - graft_cost, 0.0)
+            chain = datastore.chain(n)
+            dsp = chain_profile(seqs, plens, ranks, n,
+                                lambda st: chain.continuation(datastore.tables(), st))
     curve = []
     for t in trees:
         d = max(len(p) for p in t["paths"])
         for g in (0,) + GRAFT_DEPTHS:
-            size = t["size"] + g
-            if g and size not in verify:  # verify cost steps with the kernel's row blocks
-                continue
-            tau = replay_tau(ranks, t["paths"], ngram, g) if g else t["tau"]
-            step = _interp(verify, size) + draft[d] + (graft_cost if g else 0.0)
-            curve.append({"size": size, "depth": d, "top_k": 1 + max(max(p) for p in t["paths"]),
-                          "ngram": g, "tau": tau, "step_seconds": step,
-                          "predicted_tokens_per_second": batch * tau / step, "paths": t["paths"]})
+            for n in ds_depths:
+                size = t["size"] + g + n
+                if (g or n) and size not in verify:  # verify cost steps with the kernel's row blocks
+                    continue
+                tau = replay_tau(ranks, t["paths"], ngram, g, dsp if n else None, n) if g or n \
+                    else t["tau"]
+                step = (_interp(verify, size) + draft[d] + (graft_cost if g or n else 0.0)
+                        + (ds_cost if n else 0.0))
+                curve.append({"size": size, "depth": d, "top_k": 1 + max(max(p) for p in t["paths"]),
+                              "ngram": g, "ds": n, "tau": tau, "step_seconds": step,
+                              "predicted_tokens_per_second": batch * tau / step, "paths": t["paths"]})
     fastest = lambda cs: max(cs, key=lambda c: c["predicted_tokens_per_second"])  # noqa: E731
     best = fastest(curve) if curve else None
     if best is not None:
         plain_pred = batch / verify[1]
-        # the best grafted and the best ungrafted prediction both run end to end: a few percent
-        # of predicted speed is within this host's noise, so the measurement decides
-        picks = [fastest(cs) for cs in ([c for c in curve if c["ngram"]],
-                                        [c for c in curve if not c["ngram"]]) if cs]
+        # the best with a datastore chain, the best with only the n-gram chain and the best
+        # ungrafted prediction all run end to end: a few percent of predicted speed is within
+        # this host's noise, so the measurement decides
+        picks = [fastest(cs) for cs in ([c for c in curve if c["ds"]],
+                                        [c for c in curve if c["ngram"] and not c["ds"]],
+                                        [c for c in curve if not c["ngram"] and not c["ds"]]) if cs]
         picks.sort(key=lambda c: c is not best)
         for c in picks:
-            measured.append(_measure(target, groups, max_new_tokens, _choice(c["paths"], c), heads))
-            size = c["size"] - c["ngram"]
+            measured.append(measure(_choice(c["paths"], c, datastore)))
+            size = c["size"] - c["ngram"] - c["ds"]
             if (heads.method in ("eagle", "eagle3") and size > c["depth"] + 1
                     and c["predicted_tokens_per_second"] > plain_pred):
                 dyn = {"top_k": c["top_k"], "depth": c["depth"], "total_tokens": size}
-                measured.append(_measure(target, groups, max_new_tokens, _choice(dyn, c), heads))
+                measured.append(measure(_choice(dyn, c, datastore)))
     # A second round, right after the first and in the same order; each candidate keeps its faster
     # run, so a burst of load on a shared machine during one run does not decide the choice.
     for m in measured:
-        again = _measure(target, groups, max_new_tokens, m["tree"], heads)
+        again = measure(m["tree"])
         m["runs_tokens_per_second"] = [m["tokens_per_second"], again["tokens_per_second"]]
         m["tokens_per_second"] = max(m["runs_tokens_per_second"])
     for m in measured:
@@ -402,17 +431,20 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
     return winner["tree"], report
 
 
-def _choice(tree, entry) -> object:
-    """A sizing choice as `generate(tree=...)` takes it: the tree, or the tree with its graft."""
+def _choice(tree, entry, datastore=None) -> object:
+    """A sizing choice as `generate(tree=...)` takes it: the tree, or the tree with its grafts
+    (sized with a datastore, the choice always says how many datastore tokens, 0 included)."""
+    if datastore is not None:
+        return {"base": tree, "ngram": entry["ngram"], "ds": entry["ds"]}
     return {"base": tree, "ngram": entry["ngram"]} if entry["ngram"] else tree
 
 
-def _measure(target, groups, max_new_tokens, tree, heads) -> dict:
+def _measure(target, groups, max_new_tokens, tree, heads, datastore=None) -> dict:
     """End-to-end greedy tokens/s and tau over the prompt groups (generate's wall time excludes
     compilation)."""
     import spec_jax
 
-    kw = {} if tree == PLAIN else {"draft": heads, "tree": tree}
+    kw = {} if tree == PLAIN else {"draft": heads, "tree": tree, "datastore": datastore}
     tok, wall, steps, outs = 0, 0.0, 0, []
     for rows in groups:
         rs = spec_jax.generate_batch(target, rows, max_new_tokens, **kw)
@@ -430,7 +462,7 @@ def tree_tokens(tree) -> int:
     if tree == PLAIN:
         return 1
     if isinstance(tree, dict) and "ngram" in tree:
-        return tree_tokens(tree["base"]) + int(tree["ngram"])
+        return tree_tokens(tree["base"]) + int(tree["ngram"]) + int(tree.get("ds", 0))
     return tree["total_tokens"] if isinstance(tree, dict) else len(tree) + 1
 
 
@@ -439,7 +471,8 @@ def tree_name(tree) -> str:
     if tree == PLAIN:
         return "plain"
     if isinstance(tree, dict) and "ngram" in tree:
-        return f"{tree_name(tree['base'])}+ngram:{tree['ngram']}"
+        return (tree_name(tree["base"]) + (f"+ngram:{tree['ngram']}" if tree["ngram"] else "")
+                + (f"+ds:{tree['ds']}" if tree.get("ds") else ""))
     if isinstance(tree, dict):
         return "dynamic:{top_k},{depth},{total_tokens}".format(**tree)
     return f"static {len(tree) + 1} nodes, depth {max(len(p) for p in tree)}"

@@ -60,11 +60,11 @@ def test_ngram_profile_and_grafted_replay_on_a_hand_counted_sequence():
     """The n-gram profile counts how many chain tokens drafted from each root's context are right
     (the drafter's own search: latest, longest match); a grafted tree accepts the longer of its own
     path and the chain, cut to the graft depth."""
-    from spec_jax.sizing import ngram_profile, replay_tau
+    from spec_jax.sizing import chain_profile, replay_tau
 
     seq = [1, 2, 3, 1, 2, 3, 1, 2, 4]
     ranks = np.full((5, 2), -1)  # the tree itself accepts nothing
-    (ng,) = ngram_profile([seq], [2], [ranks], depth=3)
+    (ng,) = chain_profile([seq], [2], [ranks], depth=3)
     # roots: 3 (no earlier match), 1 -> 2 3 1, 2 -> 3 1 2, 3 -> 1 2 [3 vs 4], 1 -> 2 [3 vs 4]
     np.testing.assert_array_equal(ng, [0, 3, 3, 2, 1])
     assert replay_tau([ranks], [[0]], [ng], graft=3) == pytest.approx((1 + 4) / 2)

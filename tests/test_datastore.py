@@ -73,7 +73,8 @@ def test_lookup_matches_a_brute_force_search_on_random_corpora():
 def test_tree_syntax():
     assert split_datastore("dynamic:8,5,24+ngram:8+ds:8") == ("dynamic:8,5,24+ngram:8", 8)
     assert split_datastore("auto+ds:4+ngram:2") == ("auto+ngram:2", 4)
-    assert split_datastore("+ds") == (None, 8) and split_datastore("chain:3") == ("chain:3", 0)
+    assert split_datastore("+ds") == (None, 8) and split_datastore("chain:3") == ("chain:3", None)
+    assert split_datastore({"base": [[0]], "ngram": 4, "ds": 0}) == ({"base": [[0]], "ngram": 4}, 0)
     for bad in ("chain:3+ds:x", "chain:3+ds:0", "+ds:2+ds:3"):
         with pytest.raises(SpecJaxError, match=r"\+ds:N"):
             split_datastore(bad)
@@ -138,3 +139,37 @@ def test_datastore_errors_name_the_fix(tiny_target, datastore, tmp_path):
         spec_jax.generate(other, [1, 2, 3], 4, draft="ngram", datastore=back)
     with pytest.raises(SpecJaxError, match="spec-jax datastore"):
         load_datastore(tmp_path)
+
+
+def test_replay_with_both_chains_accepts_the_longest():
+    from spec_jax.sizing import replay_tau
+
+    ranks = np.full((6, 2), -1)  # the tree accepts nothing
+    ngram, ds = np.array([0, 3, 0, 0, 1, 0]), np.array([2, 0, 0, 1, 2, 0])
+    # root 0: datastore 2 -> next root 3: datastore 1 -> root 5: nothing
+    assert replay_tau([ranks], [[0]], [ngram], 3, [ds], 2) == pytest.approx((3 + 2 + 1) / 3)
+    # n-gram alone: root 0 misses, root 1 takes 3 -> root 5
+    assert replay_tau([ranks], [[0]], [ngram], 3) == pytest.approx((1 + 4 + 1) / 3)
+    assert replay_tau([ranks], [[0]], [ngram], 0, [ds], 1) == pytest.approx((2 + 1 + 2 + 1) / 4)
+
+
+def test_sizing_weighs_the_datastore_and_caches_per_datastore(tiny_target, datastore, own_output,
+                                                              tmp_path, monkeypatch):
+    from spec_jax.sizing import PLAIN, cached_tree, size_tree, tree_tokens
+
+    monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
+    heads = spec_jax.init_draft(tiny_target, "eagle", seed=1, scale=0.3)
+    prompts, _ = own_output
+    tree, report = size_tree(tiny_target, heads, prompts[:2], max_new_tokens=16, sizes=(2, 4, 8),
+                             progress=False, datastore=datastore)
+    with_ds = [c for c in report["curve"] if c["ds"]]
+    assert with_ds and all(c["size"] in (2, 4, 8) for c in report["curve"])
+    # the corpus holds these very continuations: the datastore chain is predicted to be accepted
+    assert max(c["tau"] for c in with_ds) > max(c["tau"] for c in report["curve"] if not c["ds"])
+    assert any(split_datastore(m["tree"])[1] for m in report["measured"])  # and was run end to end
+    assert tree == PLAIN or ("ds" in tree and tree_tokens(tree) <= 8)
+    assert cached_tree(tiny_target, heads, datastore=datastore) == tree
+    assert cached_tree(tiny_target, heads) is None  # sized without a datastore: another entry
+    for p in prompts[:2]:  # tree=None takes the cached choice, datastore chain included
+        r = spec_jax.generate(tiny_target, p, 20, draft=heads, datastore=datastore, stop_at_eos=False)
+        assert r.token_ids == spec_jax.generate(tiny_target, p, 20, stop_at_eos=False).token_ids

@@ -196,6 +196,12 @@ def test_distill_stores_length_sorted_batches_in_prompt_order(tmp_path, tiny_tar
         ids = target.encode(p.text)
         alone = generate_batch(target, [ids], 5, chat=False)[0].token_ids
         assert n == len(ids) and s.tolist() == ids + alone
+    # a datastore of the set holds its responses, documents separated, and says where they came from
+    from spec_jax.heads.datastore import datastore_from_distill
+
+    ds = datastore_from_distill(target, out)
+    np.testing.assert_array_equal(ds.tokens, np.concatenate([np.r_[s[n:], -1] for s, n in zip(seqs, plens)]))
+    assert ds.info["manifests"][0]["samples"] == 10 and ds.info["target"]["fingerprint"] == "tiny"
 
 
 def test_chunked_feature_pass_matches_one_pass(tiny_target):

@@ -63,6 +63,14 @@ class Datastore:
             raise SpecJaxError(f"this datastore was built from another target's output ({', '.join(bad)} "
                                "differ): build one for this target with `spec-jax datastore`")
 
+    def fingerprint(self) -> str:
+        """A short hash of the corpus and settings (keys the tree calibration made with it)."""
+        import hashlib
+
+        h = hashlib.sha256(np.ascontiguousarray(self.tokens, np.int32).tobytes())
+        h.update(json.dumps([self.min_ngram, self.max_ngram, self.depth, self.min_count]).encode())
+        return h.hexdigest()[:16]
+
     def tables(self) -> dict:
         """{"ds_h1": [G] uint32 sorted, "ds_h2": [G] uint32, "ds_cont": [G, depth] int32 (-1 past
         the end)}: device arrays, built on first use and kept."""

@@ -44,17 +44,25 @@ def split_graft(tree):
 
 
 def split_datastore(tree):
-    """'TREE+ds:N' (anywhere among the grafts) -> ('TREE', N); any other tree -> (tree, 0)."""
+    """'TREE+ds:N' (anywhere among the grafts) or a sizing choice {..., "ds": N} -> (TREE, N);
+    a tree that does not say -> (tree, None)."""
+    if isinstance(tree, dict) and "ds" in tree:
+        return {k: v for k, v in tree.items() if k != "ds"}, int(tree["ds"])
     if not isinstance(tree, str):
-        return tree, 0
+        return tree, None
     found = _DS.findall(tree)
     if not found:
-        return tree, 0
+        return tree, None
     n = found[-1] or "8"
     if len(found) > 1 or not n.isdigit() or int(n) < 1:
         raise SpecJaxError(f"cannot read {tree!r}: write TREE+ds:N once, with N >= 1 datastore "
                            "tokens, e.g. dynamic:8,5,24+ngram:8+ds:8")
     return (_DS.sub("", tree) or None), int(n)
+
+
+def uses_datastore(tree) -> bool:
+    """Whether `tree` grafts a datastore chain (so generate needs `datastore=`)."""
+    return bool(split_datastore(tree)[1])
 
 
 def with_graft(drafter: Drafter, n: int) -> Drafter:
