@@ -15,9 +15,10 @@ Sequoia's idea with measured costs, in three measurements:
 2. Costs. The target's forward latency over T tree tokens (verification) and the drafter's
    per-step latency (propose + bookkeeping) at each depth, on this backend and batch size.
 3. Choice. Predicted tokens/s of the best tree of each size = tau / (verify + draft) per step.
-   The best prediction and plain decoding (and, for EAGLE heads predicted to beat plain, the
-   dynamic tree of the same top-k, depth and size) are then run end to end on the calibration
-   prompts, and the fastest wins: speculation is chosen only where it measurably pays.
+   The best prediction and plain decoding (and, for EAGLE, EAGLE-3 and MTP heads predicted to
+   beat plain, the dynamic tree of the same top-k, depth and size) are then run end to end on the calibration
+   prompts, and the fastest wins: speculation is chosen only where it measurably pays (a
+   datastore graft must win by more than the host's noise, see `pick_winner`).
 
 The choice is cached per device kind, target (and its layer layout: packed CPU matmuls change every
 cost), heads (method + weights fingerprint) and batch.
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from spec_jax.heads.graft import uses_datastore
 from spec_jax.step import loop_precision
 
 # Generic calibration prompts (chat, code, maths, writing) for `auto` on first use.
@@ -406,7 +408,7 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
         for c in picks:
             measured.append(measure(_choice(c["paths"], c, datastore)))
             size = c["size"] - c["ngram"] - c["ds"]
-            if (heads.method in ("eagle", "eagle3") and size > c["depth"] + 1
+            if (heads.method != "medusa" and size > c["depth"] + 1
                     and c["predicted_tokens_per_second"] > plain_pred):
                 dyn = {"top_k": c["top_k"], "depth": c["depth"], "total_tokens": size}
                 measured.append(measure(_choice(dyn, c, datastore)))
@@ -420,7 +422,7 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
         m.pop("outputs", None)
         say(f"  {tree_name(m['tree'])}: tau {m['tau']:.2f}, {m['tokens_per_second']:.1f} tok/s "
             f"(best of {', '.join(f'{x:.1f}' for x in m['runs_tokens_per_second'])})")
-    winner = max(measured, key=lambda m: m["tokens_per_second"])
+    winner = pick_winner(measured)
     report = {"tree": winner["tree"], "profile_positions": int(sum(len(r) for r in ranks)),
               "verify_seconds": {str(k): v for k, v in verify.items()},
               "draft_seconds": {str(k): v for k, v in draft.items()},
@@ -429,6 +431,27 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
     _store(key, report)
     say(f"chose {tree_name(winner['tree'])} ({report['seconds']:.0f} s)")
     return winner["tree"], report
+
+
+DS_MARGIN = 0.03  # the least relative lead a datastore choice needs (see pick_winner)
+
+
+def pick_winner(measured: list[dict]) -> dict:
+    """The fastest measured candidate, except that a datastore graft must beat the fastest choice
+    without one by more than this host's noise: max(DS_MARGIN, the median relative spread between
+    each candidate's two runs). The head and the in-context n-gram chain accept about as well on any
+    prompt, but the datastore pays only where the workload resembles its corpus, which a few
+    calibration prompts cannot tell; on a near-tie the choice that does not depend on it wins."""
+    fastest = lambda ms: max(ms, key=lambda m: m["tokens_per_second"])  # noqa: E731
+    best = fastest(measured)
+    without = [m for m in measured if not uses_datastore(m["tree"])]
+    if not uses_datastore(best["tree"]) or not without:
+        return best
+    spreads = sorted(abs(r[0] - r[1]) / max(r) for r in
+                     (m.get("runs_tokens_per_second", [1.0, 1.0]) for m in measured))
+    margin = max(DS_MARGIN, spreads[len(spreads) // 2])
+    rival = fastest(without)
+    return best if best["tokens_per_second"] > rival["tokens_per_second"] * (1 + margin) else rival
 
 
 def _choice(tree, entry, datastore=None) -> object:

@@ -119,13 +119,33 @@ def test_sized_tree_is_cached_per_heads(tiny_target, tmp_path, monkeypatch):
     for m in report["measured"]:  # two runs each; the faster counts
         assert len(m["runs_tokens_per_second"]) == 2
         assert m["tokens_per_second"] == max(m["runs_tokens_per_second"])
-    assert tree == max(report["measured"], key=lambda m: m["tokens_per_second"])["tree"]
+    assert tree == max(report["measured"], key=lambda m: m["tokens_per_second"])["tree"]  # no ds
     assert report["profile_positions"] > 0 and all(c["size"] in (2, 4) for c in report["curve"])
     assert cached_tree(tiny_target, heads) == tree
     assert cached_tree(tiny_target, other) is None
     # generate(tree=None) uses the cached choice; the result is still plain greedy decoding
     r = spec_jax.generate(tiny_target, [1, 2, 3], 6, chat=False, draft=heads)
     assert r.token_ids == spec_jax.generate(tiny_target, [1, 2, 3], 6, chat=False).token_ids
+
+
+def test_a_datastore_choice_must_win_by_more_than_the_noise():
+    from spec_jax.sizing import DS_MARGIN, PLAIN, pick_winner
+
+    def m(tree, *runs):
+        return {"tree": tree, "tokens_per_second": max(runs), "runs_tokens_per_second": list(runs)}
+
+    ds = {"base": [[0]], "ngram": 2, "ds": 4}
+    ngram = {"base": [[0], [0, 0]], "ngram": 4, "ds": 0}
+    quiet = [m(PLAIN, 50.0, 50.0), m(ngram, 72.0, 72.0)]
+    # 2 % ahead is inside the 3 % floor; 5 % ahead is not
+    assert pick_winner(quiet + [m(ds, 73.4, 73.4)])["tree"] == ngram
+    assert pick_winner(quiet + [m(ds, 75.6, 75.6)])["tree"] == ds
+    # on a noisy host (runs 10 % apart) 5 % ahead is a tie too
+    noisy = [m(PLAIN, 45.0, 50.0), m(ngram, 65.0, 72.0), m(ds, 68.0, 75.6)]
+    assert pick_winner(noisy)["tree"] == ngram
+    # without the datastore the fastest simply wins, by any margin
+    assert pick_winner([m(PLAIN, 50.0, 50.0), m(ngram, 50.5, 50.5)])["tree"] == ngram
+    assert pick_winner([m(ds, 60.0, 60.0)])["tree"] == ds and DS_MARGIN == 0.03
 
 
 @pytest.mark.parametrize("method", ["eagle3", "medusa", "mtp"])
