@@ -66,11 +66,16 @@ def calibration_key(target, heads, batch: int, datastore=None) -> str:
 
 
 def _entry(target, heads, batch: int, datastore=None):
-    """The cached sizing report for these heads (and datastore) here, or None."""
+    """The cached sizing report for these heads (and datastore) here, or None. Its choice is
+    re-decided from its stored measurements, so entries written before `pick_winner`'s noise rule
+    follow it too."""
     f = cache_file()
     if not f.is_file():
         return None
-    return json.loads(f.read_text()).get(calibration_key(target, heads, batch, datastore))
+    entry = json.loads(f.read_text()).get(calibration_key(target, heads, batch, datastore))
+    if entry is not None and entry.get("measured"):
+        entry["tree"] = pick_winner(entry["measured"])["tree"]
+    return entry
 
 
 def cached_tree(target, heads, batch: int = 1, datastore=None):

@@ -174,3 +174,19 @@ def test_sizing_weighs_the_datastore_and_caches_per_datastore(tiny_target, datas
     for p in prompts[:2]:  # tree=None takes the cached choice, datastore chain included
         r = spec_jax.generate(tiny_target, p, 20, draft=heads, datastore=datastore, stop_at_eos=False)
         assert r.token_ids == spec_jax.generate(tiny_target, p, 20, stop_at_eos=False).token_ids
+
+
+def test_cached_choice_follows_the_noise_rule(tiny_target, datastore, tmp_path, monkeypatch):
+    """An entry cached before the noise rule (a datastore tree ahead by 2 %) reads back as the
+    choice without the datastore."""
+    from spec_jax.sizing import _store, cached_tree, calibration_key
+
+    monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
+    heads = spec_jax.init_draft(tiny_target, "eagle", seed=1, scale=0.3)
+    ds = {"base": [[0]], "ngram": 2, "ds": 4}
+    ngram = {"base": [[0], [0, 0]], "ngram": 4, "ds": 0}
+    measured = [{"tree": t, "tokens_per_second": v, "runs_tokens_per_second": [v, v]}
+                for t, v in (("plain", 50.0), (ngram, 72.0), (ds, 73.4))]
+    _store(calibration_key(tiny_target, heads, 1, datastore),
+           {"tree": ds, "measured": measured})
+    assert cached_tree(tiny_target, heads, datastore=datastore) == ngram
