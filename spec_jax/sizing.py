@@ -16,9 +16,9 @@ Sequoia's idea with measured costs, in three measurements:
    per-step latency (propose + bookkeeping) at each depth, on this backend and batch size.
 3. Choice. Predicted tokens/s of the best tree of each size = tau / (verify + draft) per step.
    The best prediction and plain decoding (and, for EAGLE, EAGLE-3 and MTP heads predicted to
-   beat plain, the dynamic tree of the same top-k, depth and size) are then run end to end on the calibration
-   prompts, and the fastest wins: speculation is chosen only where it measurably pays (a
-   datastore graft must win by more than the host's noise, see `pick_winner`).
+   beat plain, the dynamic tree of the same top-k, depth and size) are then run end to end on
+   the calibration prompts, and the fastest wins: speculation is chosen only where it measurably
+   pays (a datastore graft must win by more than the host's noise, see `pick_winner`).
 
 The choice is cached per device kind, target (and its layer layout: packed CPU matmuls change every
 cost), heads (method + weights fingerprint) and batch.
