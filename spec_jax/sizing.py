@@ -21,7 +21,9 @@ Sequoia's idea with measured costs, in three measurements:
    pays (a datastore graft must win by more than the host's noise, see `pick_winner`).
 
 The choice is cached per device kind, target (and its layer layout: packed CPU matmuls change every
-cost), heads (method + weights fingerprint) and batch.
+cost), heads (method + weights fingerprint) and batch. The verify-latency curve is cached per
+device kind, target and batch, shared by every drafter's calibration, and each new calibration
+keeps the fastest reading per size (`shared_verify_latency`).
 """
 from __future__ import annotations
 
@@ -84,6 +86,27 @@ def cached_tree(target, heads, batch: int = 1, datastore=None):
     batch size (and datastore) were never calibrated."""
     entry = _entry(target, heads, batch, datastore)
     return None if entry is None else entry["tree"]
+
+
+def verify_key(target, batch: int) -> str:
+    """Cache key of the target's verify-latency curve: it depends on the target, not the heads."""
+    from pallas_kernels.dispatch import default_impl
+
+    return (f"verify|{jax.devices()[0].device_kind}|{target.fingerprint()}|{target.layout}|"
+            f"attn-{default_impl()}|{batch}")
+
+
+def shared_verify_latency(target, batch: int, measured: dict) -> dict:
+    """`measured` merged with the curve cached for this target and batch by the fastest reading
+    per size, and stored back. Every calibration (one per drafter) re-measures the same target,
+    so on a shared host the minimum over them is the steadiest estimate of its cost; a single
+    slow reading must not make one drafter's choice smaller than another's."""
+    f = cache_file()
+    key = verify_key(target, batch)
+    stored = (json.loads(f.read_text()).get(key) or {}) if f.is_file() else {}
+    merged = {int(t): min(float(v), float(stored.get(str(t), v))) for t, v in measured.items()}
+    _store(key, {**stored, **{str(t): v for t, v in merged.items()}})
+    return merged
 
 
 def _store(key: str, entry: dict) -> None:
@@ -365,6 +388,7 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
     trees = best_trees(ranks, sizes)
     verify = verify_latency(target, sorted({1, 2, 4, 8, 16, 32, 64} & set(range(1, max(sizes) + 1))
                                            | {max(sizes)}), batch)
+    verify = shared_verify_latency(target, batch, verify)
     # a bigger tree never costs less: a noisy small-T reading must not make it look cheaper
     verify = dict(zip(sorted(verify), np.maximum.accumulate([verify[t] for t in sorted(verify)])))
     depths = sorted({max(len(p) for p in t["paths"]) for t in trees})

@@ -128,6 +128,21 @@ def test_sized_tree_is_cached_per_heads(tiny_target, tmp_path, monkeypatch):
     assert r.token_ids == spec_jax.generate(tiny_target, [1, 2, 3], 6, chat=False).token_ids
 
 
+def test_verify_latency_is_shared_across_calibrations_by_its_fastest_reading(
+        tiny_target, tmp_path, monkeypatch):
+    """Each drafter's calibration re-measures the same target: the curve kept (and used) is the
+    fastest reading per size over all of them, per target and batch."""
+    from spec_jax.sizing import shared_verify_latency
+
+    monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
+    assert shared_verify_latency(tiny_target, 1, {1: 0.020, 8: 0.028}) == {1: 0.020, 8: 0.028}
+    # a slow 8-token reading in the next calibration does not stick; a faster one does
+    assert shared_verify_latency(tiny_target, 1, {1: 0.019, 8: 0.033}) == {1: 0.019, 8: 0.028}
+    assert shared_verify_latency(tiny_target, 1, {8: 0.022, 16: 0.035}) == {8: 0.022, 16: 0.035}
+    assert shared_verify_latency(tiny_target, 1, {1: 0.5, 16: 0.5}) == {1: 0.019, 16: 0.035}
+    assert shared_verify_latency(tiny_target, 2, {1: 0.5}) == {1: 0.5}  # another batch: its own
+
+
 def test_a_datastore_choice_must_win_by_more_than_the_noise():
     from spec_jax.sizing import DS_MARGIN, PLAIN, pick_winner
 
