@@ -71,10 +71,7 @@ def _entry(target, heads, batch: int, datastore=None):
     """The cached sizing report for these heads (and datastore) here, or None. Its choice is
     re-decided from its stored measurements, so entries written before `pick_winner`'s noise rule
     follow it too."""
-    f = cache_file()
-    if not f.is_file():
-        return None
-    entry = json.loads(f.read_text()).get(calibration_key(target, heads, batch, datastore))
+    entry = _cache().get(calibration_key(target, heads, batch, datastore))
     if entry is not None and entry.get("measured"):
         entry["tree"] = pick_winner(entry["measured"])["tree"]
     return entry
@@ -101,17 +98,22 @@ def shared_verify_latency(target, batch: int, measured: dict) -> dict:
     per size, and stored back. Every calibration (one per drafter) re-measures the same target,
     so on a shared host the minimum over them is the steadiest estimate of its cost; a single
     slow reading must not make one drafter's choice smaller than another's."""
-    f = cache_file()
     key = verify_key(target, batch)
-    stored = (json.loads(f.read_text()).get(key) or {}) if f.is_file() else {}
+    stored = _cache().get(key) or {}
     merged = {int(t): min(float(v), float(stored.get(str(t), v))) for t, v in measured.items()}
     _store(key, {**stored, **{str(t): v for t, v in merged.items()}})
     return merged
 
 
+def _cache() -> dict:
+    """The whole sizing cache (choices and verify curves), {} before the first calibration."""
+    f = cache_file()
+    return json.loads(f.read_text()) if f.is_file() else {}
+
+
 def _store(key: str, entry: dict) -> None:
     f = cache_file()
-    data = json.loads(f.read_text()) if f.is_file() else {}
+    data = _cache()
     data[key] = entry
     f.parent.mkdir(parents=True, exist_ok=True)
     tmp = f.with_suffix(".tmp")
