@@ -59,11 +59,18 @@ def cache_file() -> Path:
     return cache_dir() / "trees-v4.json"
 
 
-def calibration_key(target, heads, batch: int, datastore=None) -> str:
+def _target_parts(target, batch: int) -> tuple[str, str, str, str, str]:
+    """What every cost measured here depends on besides the heads: device kind, target weights,
+    layer layout, attention kernel, batch (the parts of both cache keys, in key order)."""
     from pallas_kernels.dispatch import default_impl
 
-    return (f"{jax.devices()[0].device_kind}|{target.fingerprint()}|{heads.method}:"
-            f"{heads.fingerprint()}|{target.layout}|attn-{default_impl()}|{batch}"
+    return (jax.devices()[0].device_kind, target.fingerprint(), target.layout,
+            f"attn-{default_impl()}", str(batch))
+
+
+def calibration_key(target, heads, batch: int, datastore=None) -> str:
+    device, weights, layout, attn, b = _target_parts(target, batch)
+    return ("|".join((device, weights, f"{heads.method}:{heads.fingerprint()}", layout, attn, b))
             + (f"|ds-{datastore.fingerprint()}" if datastore is not None else ""))
 
 
@@ -87,10 +94,7 @@ def cached_tree(target, heads, batch: int = 1, datastore=None):
 
 def verify_key(target, batch: int) -> str:
     """Cache key of the target's verify-latency curve: it depends on the target, not the heads."""
-    from pallas_kernels.dispatch import default_impl
-
-    return (f"verify|{jax.devices()[0].device_kind}|{target.fingerprint()}|{target.layout}|"
-            f"attn-{default_impl()}|{batch}")
+    return "|".join(("verify",) + _target_parts(target, batch))
 
 
 def shared_verify_latency(target, batch: int, measured: dict) -> dict:
