@@ -183,10 +183,17 @@ struct AttnJob {
       }
     const int64_t nc = w.rows.size();
     for (int64_t n = 0; n < N; ++n) w.rows.push_back(blk_row(kn, n));
-    if (R <= 8)  // half-width vectors do the same lanes' work at up to twice the rate
-      score_all<v8>(w.rows.data(), nc + N, D, w.qt.data(), scale, w.sc.data());
-    else
+    // Half-width vectors do the same lanes' work at up to twice the rate. Without AVX-512 the
+    // upper 8 lanes take a second half-width pass: full-width tiles would not fit the registers.
+#if defined(__AVX512F__)
+    if (R > 8)
       score_all<v16>(w.rows.data(), nc + N, D, w.qt.data(), scale, w.sc.data());
+    else
+      score_all<v8>(w.rows.data(), nc + N, D, w.qt.data(), scale, w.sc.data());
+#else
+    score_all<v8>(w.rows.data(), nc + N, D, w.qt.data(), scale, w.sc.data());
+    if (R > 8) score_all<v8>(w.rows.data(), nc + N, D, w.qt.data() + 8, scale, w.sc.data() + 8);
+#endif
 
     for (int64_t t = 0; t < nt; ++t) {
       const bool* mrow = mask + (b * T + t0 + t) * N;
