@@ -94,6 +94,13 @@ def _load() -> str | None:
     return str(lib)
 
 
+def build_id() -> str:
+    """The loaded kernels' build hash (of source, compiler command and CPU), '' where they are not
+    in use: costs measured with one build do not hold for another."""
+    lib = _load() if jax.default_backend() == "cpu" else None
+    return Path(lib).stem.rsplit("-", 1)[-1] if lib else ""
+
+
 def available() -> bool:
     """True when the kernels are built and registered (CPU backend only)."""
     return jax.default_backend() == "cpu" and _load() is not None

@@ -61,11 +61,14 @@ def cache_file() -> Path:
 
 def _target_parts(target, batch: int) -> tuple[str, str, str, str, str]:
     """What every cost measured here depends on besides the heads: device kind, target weights,
-    layer layout, attention kernel, batch (the parts of both cache keys, in key order)."""
+    layer layout (with the CPU kernels' build, whose speed it is), attention kernel, batch (the
+    parts of both cache keys, in key order)."""
+    from pallas_kernels.cpu_build import build_id
     from pallas_kernels.dispatch import default_impl
 
-    return (jax.devices()[0].device_kind, target.fingerprint(), target.layout,
-            f"attn-{default_impl()}", str(batch))
+    build = build_id()
+    return (jax.devices()[0].device_kind, target.fingerprint(),
+            target.layout + (f"@{build}" if build else ""), f"attn-{default_impl()}", str(batch))
 
 
 def calibration_key(target, heads, batch: int, datastore=None) -> str:
@@ -468,25 +471,39 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
     return winner["tree"], report
 
 
-DS_MARGIN = 0.03  # the least relative lead a datastore choice needs (see pick_winner)
+DS_MARGIN = 0.03  # the least relative lead that counts as a win, not noise (see pick_winner)
 
 
 def pick_winner(measured: list[dict]) -> dict:
-    """The fastest measured candidate, except that a datastore graft must beat the fastest choice
-    without one by more than this host's noise: max(DS_MARGIN, the median relative spread between
-    each candidate's two runs). The head and the in-context n-gram chain accept about as well on any
-    prompt, but the datastore pays only where the workload resembles its corpus, which a few
-    calibration prompts cannot tell; on a near-tie the choice that does not depend on it wins."""
+    """The candidate to use, from end-to-end measurements (each with its tau, its best tokens/s
+    and, where run twice, both runs' tokens/s).
+
+    Leads smaller than this host's noise — max(DS_MARGIN, the median relative spread between each
+    candidate's two runs) — do not decide: among the speculative candidates within that margin of
+    the fastest, the one with the highest tau wins. Tau is measured exactly, so the choice no
+    longer flips between calibrations on a 3% tie (one session's EAGLE-3 sizing dropped the n-gram
+    graft on such a tie and lost 15% on MT-bench), and on a tie the candidate that needs fewer
+    target passes is the better bet on a loaded or slower machine. Plain decoding wins only as the
+    outright fastest. A datastore graft must beat the fastest choice without one by more than the
+    margin: the head and the in-context n-gram chain accept about as well on any prompt, but the
+    datastore pays only where the workload resembles its corpus, which a few calibration prompts
+    cannot tell."""
     fastest = lambda ms: max(ms, key=lambda m: m["tokens_per_second"])  # noqa: E731
-    best = fastest(measured)
-    without = [m for m in measured if not uses_datastore(m["tree"])]
-    if not uses_datastore(best["tree"]) or not without:
-        return best
     spreads = sorted(abs(r[0] - r[1]) / max(r) for r in
                      (m.get("runs_tokens_per_second", [1.0, 1.0]) for m in measured))
     margin = max(DS_MARGIN, spreads[len(spreads) // 2])
-    rival = fastest(without)
-    return best if best["tokens_per_second"] > rival["tokens_per_second"] * (1 + margin) else rival
+    best = fastest(measured)
+    without = [m for m in measured if not uses_datastore(m["tree"])]
+    if uses_datastore(best["tree"]) and without:
+        rival = fastest(without)
+        if best["tokens_per_second"] <= rival["tokens_per_second"] * (1 + margin):
+            best = rival
+    if best["tree"] == PLAIN:
+        return best
+    pool = [m for m in measured if m["tree"] != PLAIN
+            and uses_datastore(m["tree"]) == uses_datastore(best["tree"])
+            and m["tokens_per_second"] * (1 + margin) >= best["tokens_per_second"]]
+    return max(pool, key=lambda m: (m.get("tau", 0.0), m["tokens_per_second"]))
 
 
 def _choice(tree, entry, datastore=None) -> object:

@@ -163,6 +163,28 @@ def test_a_datastore_choice_must_win_by_more_than_the_noise():
     assert pick_winner([m(ds, 60.0, 60.0)])["tree"] == ds and DS_MARGIN == 0.03
 
 
+def test_a_near_tie_goes_to_the_higher_tau():
+    from spec_jax.sizing import PLAIN, pick_winner
+
+    def m(tree, tau, *runs):
+        return {"tree": tree, "tau": tau, "tokens_per_second": max(runs),
+                "runs_tokens_per_second": list(runs)}
+
+    small = [[0], [0, 0], [1]]
+    graft = {"base": small, "ngram": 4}
+    ds = {"base": small, "ngram": 4, "ds": 4}
+    # the session-14 EAGLE-3 case: the ungrafted tree 3% faster in one run, the graft's tau higher
+    runs = [m(PLAIN, 1.0, 49.2, 46.4), m(graft, 2.05, 70.3, 68.2), m(small, 1.73, 72.2, 62.8)]
+    assert pick_winner(runs)["tree"] == graft
+    # a lead beyond the noise still wins whatever its tau
+    assert pick_winner([m(graft, 2.05, 60.0, 60.0), m(small, 1.73, 72.2, 72.0)])["tree"] == small
+    # plain decoding wins only outright, and a near-tie never brings in a datastore graft
+    assert pick_winner([m(PLAIN, 1.0, 70.0, 70.0), m(small, 1.7, 69.0, 69.0)])["tree"] == PLAIN
+    assert pick_winner([m(small, 1.7, 70.0, 70.0), m(ds, 2.4, 69.5, 69.5)])["tree"] == small
+    # equal tau: the faster one
+    assert pick_winner([m(small, 1.7, 70.0, 70.0), m(graft, 1.7, 69.5, 69.5)])["tree"] == small
+
+
 @pytest.mark.parametrize("method", ["eagle3", "medusa", "mtp"])
 def test_rank_profile_for_every_method(tiny_target, method):
     import spec_jax
