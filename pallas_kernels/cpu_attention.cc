@@ -116,25 +116,43 @@ void score_all(const float* const* k, int64_t n, int64_t D, const float* qt, flo
   if (s < n) score_rows<V, 1>(k + s, D, qt, scale, out + s * kL);
 }
 
-// out[0:D] = sum_j p[j] * v[j][0:D], j in order, accumulated in registers (DV = D / 16).
-template <int DV>
+// out[0:D] = sum_j p[j] * v[j][0:D], j in order, accumulated in registers (DV = D / lanes of V).
+// Each element is one FMA chain over j whatever the vector width.
+template <typename V, int DV>
 void weighted_rows(const float* p, const float* const* v, int64_t cnt, float* out) {
-  v16 acc[DV];
-  for (int c = 0; c < DV; ++c) acc[c] = v16{};
-  for (int64_t j = 0; j < cnt; ++j)
-    for (int c = 0; c < DV; ++c) acc[c] = fma(v16{} + p[j], load(v[j] + c * kL), acc[c]);
-  for (int c = 0; c < DV; ++c) store(out + c * kL, acc[c]);
+  constexpr int kW = sizeof(V) / sizeof(float);
+  V acc[DV];
+  for (int c = 0; c < DV; ++c) acc[c] = V{};
+  for (int64_t j = 0; j < cnt; ++j) {
+    const V pj = V{} + p[j];
+    for (int c = 0; c < DV; ++c) {
+      V x;
+      std::memcpy(&x, v[j] + c * kW, sizeof(V));
+      acc[c] = fma(pj, x, acc[c]);
+    }
+  }
+  for (int c = 0; c < DV; ++c) std::memcpy(out + c * kW, &acc[c], sizeof(V));
 }
 
 void weighted_sum(const float* p, const float* const* v, int64_t cnt, int64_t D, float* out) {
+#if defined(__AVX512F__)
   switch (D / kL) {
-    case 1: return weighted_rows<1>(p, v, cnt, out);
-    case 2: return weighted_rows<2>(p, v, cnt, out);
-    case 4: return weighted_rows<4>(p, v, cnt, out);
-    case 6: return weighted_rows<6>(p, v, cnt, out);
-    case 8: return weighted_rows<8>(p, v, cnt, out);
-    case 16: return weighted_rows<16>(p, v, cnt, out);
+    case 1: return weighted_rows<v16, 1>(p, v, cnt, out);
+    case 2: return weighted_rows<v16, 2>(p, v, cnt, out);
+    case 4: return weighted_rows<v16, 4>(p, v, cnt, out);
+    case 6: return weighted_rows<v16, 6>(p, v, cnt, out);
+    case 8: return weighted_rows<v16, 8>(p, v, cnt, out);
+    case 16: return weighted_rows<v16, 16>(p, v, cnt, out);
   }
+#else  // 16 registers of 8 lanes (a 16-lane type would fall back to scalar FMAs)
+  switch (D / 8) {
+    case 2: return weighted_rows<v8, 2>(p, v, cnt, out);
+    case 4: return weighted_rows<v8, 4>(p, v, cnt, out);
+    case 8: return weighted_rows<v8, 8>(p, v, cnt, out);
+    case 12: return weighted_rows<v8, 12>(p, v, cnt, out);
+    case 16: return weighted_rows<v8, 16>(p, v, cnt, out);
+  }
+#endif
   std::fill(out, out + D, 0.f);  // other head sizes: same order, accumulated in memory
   for (int64_t j = 0; j < cnt; ++j)
     for (int64_t d = 0; d < D; d += kL) store(out + d, fma(v16{} + p[j], load(v[j] + d), load(out + d)));
