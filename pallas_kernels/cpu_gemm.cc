@@ -1,7 +1,7 @@
 // Small-row matrix products for decoding and tree verification on CPU (an XLA FFI handler).
 //
 // y[R, N] = x[R, K] @ W, with W packed as panels [N / 32, K, 32]: each panel is one contiguous
-// stream, so the weights are read once, sequentially, at memory bandwidth, whatever R is (row
+// stream, so the weights are read once, sequentially, at memory bandwidth, whatever R is (the
 // row tiles reuse a panel from cache). XLA:CPU's own dot reads weights at ~24 GB/s for
 // one row but 13-17 GB/s for 2-8 rows, which made verifying a draft tree cost 1.4-1.9x a decode
 // step. Every output element is one fused multiply-add chain over k = 0..K-1, so a row's result
