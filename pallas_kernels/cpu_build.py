@@ -94,6 +94,16 @@ def _load() -> str | None:
     return str(lib)
 
 
+def library():
+    """The loaded kernels as a ctypes library (for their plain C queries), None where not in use."""
+    lib = _load() if jax.default_backend() == "cpu" else None
+    if lib is None:
+        return None
+    import ctypes
+
+    return ctypes.cdll.LoadLibrary(lib)
+
+
 def build_id() -> str:
     """The loaded kernels' build hash (of source, compiler command and CPU), '' where they are not
     in use: costs measured with one build do not hold for another."""

@@ -1,11 +1,12 @@
 // Small-row matrix products for decoding and tree verification on CPU (an XLA FFI handler).
 //
-// y[R, N] = x[R, K] @ W, with W packed as panels [N / 32, K, 32]: each panel is one contiguous
+// y[R, N] = x[R, K] @ W, with W packed as panels [N / P, K, P]: each panel is one contiguous
 // stream, so the weights are read once, sequentially, at memory bandwidth, whatever R is (the
 // row tiles reuse a panel from cache). XLA:CPU's own dot reads weights at ~24 GB/s for
 // one row but 13-17 GB/s for 2-8 rows, which made verifying a draft tree cost 1.4-1.9x a decode
 // step. Every output element is one fused multiply-add chain over k = 0..K-1, so a row's result
 // is bit-identical whatever R is and whichever rows share the call (decode and verify agree).
+// The panel width P is the build's (`spec_jax_gemm_panel()`): 32 with AVX-512, 16 without.
 //
 // Work is split over chunks of panels, shared with XLA's intra-op pool (cpu_pool.h).
 #include <algorithm>
@@ -20,35 +21,38 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int kPanel = 32;  // columns per panel
-
-// Tiles of TB rows x NV vectors keep TB * NV accumulators, NV weight vectors and a broadcast in
-// vector registers. AVX-512 (32 registers of 16 floats): 8 rows x 2 vectors cover a whole panel in
-// one pass. AVX2 (16 registers of 8 floats, a panel row is 4 vectors): the classic 6 x 16 tile,
-// i.e. 6 rows by column halves (12 + 2 + 1 registers); 2- and 1-row tiles take the panel whole.
-// Vector types wider than the machine's make GCC keep accumulators on the stack (the 64-byte type
-// this kernel once used everywhere ran 4x slower than XLA's dot on an AVX2 Zen 3).
+// Tiles of TB rows x a whole panel keep TB * kNV accumulators, kNV weight vectors and a broadcast
+// in vector registers. AVX-512 (32 registers of 16 floats): panels of 32 columns, up to 8 rows
+// per tile. AVX2 (16 registers of 8 floats): panels of 16 columns, up to 6 rows per tile (the
+// classic 6 x 16 tile, 12 + 2 + 1 registers). A 16-column panel row is one cache line, so every
+// tile reads its panel in one sequential pass; with 32-column panels AVX2 had to take 4 rows in
+// two column halves, each a strided pass, and reached 22 GB/s instead of 34. Vector types wider
+// than the machine's make GCC keep accumulators on the stack (4x slower on an AVX2 Zen 3).
 #if defined(__AVX512F__)
-constexpr int kVec = 16, kMaxAcc = 16, kTop = 8;
+constexpr int kVec = 16, kPanel = 32, kTop = 8, kPrefetch = 0;
 #else
-constexpr int kVec = 8, kMaxAcc = 12, kTop = 6;
+// AVX2 prefetches the panel kPrefetch rows ahead: without it the loads of the next rows wait
+// behind the FMAs of this one and a 4-row tile streams at 2/3 of the one-row speed.
+constexpr int kVec = 8, kPanel = 16, kTop = 6, kPrefetch = 16;
 #endif
 constexpr int kNV = kPanel / kVec;  // vectors per panel row
 typedef float vec __attribute__((vector_size(kVec * sizeof(float))));
 typedef float vec_u __attribute__((vector_size(kVec * sizeof(float)), aligned(4), may_alias));
 
-// y[t, c0 : c0 + NV * kVec] for TB rows: one fused multiply-add chain over k = 0..K-1 per
-// element, the same in every tile shape, so a row's result does not depend on R.
-template <int TB, int NV>
-inline void tile(const float* __restrict x, int64_t K, const float* __restrict panel, int c0,
+// y[t, panel's columns] for TB rows: one fused multiply-add chain over k = 0..K-1 per element,
+// the same in every tile shape, so a row's result does not depend on R.
+template <int TB>
+inline void tile(const float* __restrict x, int64_t K, const float* __restrict panel,
                  float* __restrict y, int64_t N) {
+  constexpr int NV = kNV;
   vec acc[TB][NV];
 #pragma GCC unroll 16
   for (int t = 0; t < TB; ++t)
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) acc[t][v] = vec{};
-  const float* w = panel + c0;
+  const float* w = panel;
   for (int64_t k = 0; k < K; ++k, w += kPanel) {
+    if constexpr (kPrefetch > 0) __builtin_prefetch(w + kPrefetch * kPanel);
     vec wv[NV];
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) wv[v] = *reinterpret_cast<const vec_u*>(w + v * kVec);
@@ -62,19 +66,15 @@ inline void tile(const float* __restrict x, int64_t K, const float* __restrict p
 #pragma GCC unroll 16
   for (int t = 0; t < TB; ++t)
 #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) *reinterpret_cast<vec_u*>(y + t * N + c0 + v * kVec) = acc[t][v];
+    for (int v = 0; v < NV; ++v) *reinterpret_cast<vec_u*>(y + t * N + v * kVec) = acc[t][v];
 }
 
-// TB rows against a whole panel: in one pass when the accumulators fit, else by column halves.
-template <int TB>
-inline void rows(const float* x, int64_t K, const float* panel, float* y, int64_t N) {
-  if constexpr (TB * kNV <= kMaxAcc) {
-    tile<TB, kNV>(x, K, panel, 0, y, N);
-  } else {
-    constexpr int kHalf = kNV / 2;
-    static_assert(TB * kHalf <= kMaxAcc, "row tile too tall for the registers");
-    tile<TB, kHalf>(x, K, panel, 0, y, N);
-    tile<TB, kHalf>(x, K, panel, kHalf * kVec, y, N);
+// n (< kTop) rows against a whole panel, in one tile of n rows.
+template <int TB = kTop - 1>
+inline void rest(int n, const float* x, int64_t K, const float* panel, float* y, int64_t N) {
+  if constexpr (TB > 0) {
+    if (n == TB) return tile<TB>(x, K, panel, y, N);
+    rest<TB - 1>(n, x, K, panel, y, N);
   }
 }
 
@@ -85,10 +85,8 @@ void panels(const float* x, int64_t R, int64_t K, const float* w, int64_t N, flo
     const float* panel = w + p * K * kPanel;
     float* yp = y + p * kPanel;
     int64_t r = 0;
-    for (; r + kTop <= R; r += kTop) rows<kTop>(x + r * K, K, panel, yp + r * N, N);
-    if (r + 4 <= R) { rows<4>(x + r * K, K, panel, yp + r * N, N); r += 4; }
-    if (r + 2 <= R) { rows<2>(x + r * K, K, panel, yp + r * N, N); r += 2; }
-    if (r < R) rows<1>(x + r * K, K, panel, yp + r * N, N);
+    for (; r + kTop <= R; r += kTop) tile<kTop>(x + r * K, K, panel, yp + r * N, N);
+    if (r < R) rest(static_cast<int>(R - r), x + r * K, K, panel, yp + r * N, N);
   }
 }
 
@@ -113,7 +111,8 @@ ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel ||
       wd[1] != xd[1] || yd[0] != xd[0] || yd[1] != wd[0] * kPanel) {
     return ffi::Error::InvalidArgument(
-        "spec_jax packed gemm: expected x [R, K], w [N/32, K, 32], y [R, N]");
+        "spec_jax packed gemm: expected x [R, K], w [N/P, K, P], y [R, N] with P = "
+        "spec_jax_gemm_panel()");
   }
   auto job = std::make_shared<Job>();
   job->x = x.typed_data();
@@ -131,6 +130,9 @@ ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 }
 
 }  // namespace
+
+// The panel width P that `PackedGemm` expects (weights packed as [N / P, K, P]).
+extern "C" int spec_jax_gemm_panel() { return kPanel; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemm, PackedGemm,
                               ffi::Ffi::Bind()

@@ -6,9 +6,10 @@ is the speed of reading the weights. XLA:CPU reads them at ~24 GB/s for one row 
 AVX-512 host (SmolLM2's whole forward in the generation loop: 21.2 / 21.0 / 23.2 / 26.2 ms at
 T = 1/2/4/8, against 23.2 / 33.2 / 37.0 / 44.3 ms with XLA's dot). On an AVX2 host it is
 compute-bound from ~3 rows: 34 / 31 / 21 / 20 GB/s at 1/2/4/8 rows (XLA: 30 / 21 / 14 / 14;
-docs/benchmarks.md).
+docs/benchmarks.md) with 32-column panels; 16-column panels and prefetching (the AVX2 build's
+layout, `panel_width()`) lift 4 rows to ~30 GB/s.
 
-`pack(w [K, N]) -> PackedWeight(panels [N/32, K, 32])` is a one-time layout change (see
+`pack(w [K, N]) -> PackedWeight(panels [N/P, K, P])` is a one-time layout change (see
 `spec_jax.models.llama.pack_layers`); `matmul(x [..., K], w)` takes either layout. Rows beyond
 `MAX_ROWS` (prefill, training) go to XLA's dot on the unpacked matrix, where XLA's blocked GEMM wins.
 
@@ -26,7 +27,7 @@ import numpy as np
 
 from pallas_kernels import cpu_build
 
-PANEL = 32
+DEFAULT_PANEL = 32  # where the kernels are not built (the layout is then only unpacked again)
 MAX_ROWS = 64
 TARGET = "spec_jax_packed_gemm"
 
@@ -34,7 +35,7 @@ TARGET = "spec_jax_packed_gemm"
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["panels"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """A [K, N] float32 matrix stored as N/32 contiguous column panels: panels [N/32, K, 32]."""
+    """A [K, N] float32 matrix stored as N/P contiguous column panels: panels [N/P, K, P]."""
     panels: jax.Array
 
     @property
@@ -48,9 +49,10 @@ class PackedWeight:
 
 
 def pack(w) -> PackedWeight:
-    """[K, N] -> PackedWeight; N must be a multiple of 32 (see `packable`)."""
+    """[K, N] -> PackedWeight in this build's panel width; N must be a multiple of it (`packable`)."""
     k, n = w.shape
-    return PackedWeight(jnp.asarray(w).reshape(k, n // PANEL, PANEL).transpose(1, 0, 2))
+    p = panel_width()
+    return PackedWeight(jnp.asarray(w).reshape(k, n // p, p).transpose(1, 0, 2))
 
 
 def unpack(w: PackedWeight) -> jax.Array:
@@ -65,7 +67,7 @@ def unpack_all(tree):
 
 
 def packable(w) -> bool:
-    return (getattr(w, "ndim", 0) == 2 and w.shape[1] % PANEL == 0
+    return (getattr(w, "ndim", 0) == 2 and w.shape[1] % panel_width() == 0
             and jnp.dtype(w.dtype) == jnp.float32)
 
 
@@ -95,7 +97,7 @@ def _packed_matmul(x, panels):
     lead = x.shape[:-1]
     rows = int(np.prod(lead, dtype=np.int64))
     if (rows == 0 or rows > MAX_ROWS or x.dtype != jnp.float32 or panels.dtype != jnp.float32
-            or not available()):
+            or not available() or panels.shape[2] != panel_width()):
         return x @ unpack(PackedWeight(panels)).astype(x.dtype)
     y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32),
                          vmap_method="sequential")(
@@ -109,6 +111,14 @@ def _packed_matmul_jvp(primals, tangents):
     dx, dp = tangents
     w = unpack(PackedWeight(panels))
     return _packed_matmul(x, panels), dx @ w + x @ unpack(PackedWeight(dp))
+
+
+@functools.cache
+def panel_width() -> int:
+    """Columns per panel that the built kernel expects: 32 with AVX-512, 16 with AVX2 (one cache
+    line per panel row, so every row tile streams its panel in one pass)."""
+    lib = cpu_build.library() if available() else None
+    return int(lib.spec_jax_gemm_panel()) if lib is not None else DEFAULT_PANEL
 
 
 def available() -> bool:

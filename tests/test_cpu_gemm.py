@@ -25,10 +25,11 @@ def test_packed_matmul_is_exact_and_row_independent(k, n):
     rng = np.random.default_rng(k + n)
     w = rng.standard_normal((k, n), dtype=np.float32)
     pw = cpu_gemm.pack(w)
-    assert pw.shape == (k, n) and pw.panels.shape == (n // 32, k, 32)
+    p = cpu_gemm.panel_width()
+    assert p in (16, 32) and pw.shape == (k, n) and pw.panels.shape == (n // p, k, p)
     np.testing.assert_array_equal(np.asarray(cpu_gemm.unpack(pw)), w)
     mm = jax.jit(cpu_gemm.matmul)
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 64, 65):  # every row tile; XLA past 64
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 17, 64, 65):  # every tile; XLA past 64
         x = rng.standard_normal((rows, k), dtype=np.float32)
         y = np.asarray(mm(x, pw))
         ref = x.astype(np.float64) @ w.astype(np.float64)
