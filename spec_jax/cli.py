@@ -105,7 +105,7 @@ def cmd_distill(a):
 
     target = spec_jax.load_target(a.model)
     distill(target, a.data, a.out, num_prompts=a.num_prompts, max_new_tokens=a.max_new_tokens,
-            batch_size=a.batch_size, temperature=a.temperature, seed=a.seed, mix=a.mix)
+            batch_size=a.batch_size, temperature=a.temperature, seed=a.seed, mix=a.mix, start=a.start)
 
 
 def cmd_datastore(a):
@@ -190,6 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--batch-size", type=int, default=16)
     s.add_argument("--temperature", type=float, default=0.0)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--start", type=int, default=0,
+                   help="answer prompts from this index of the prompt order on (a fresh set that "
+                        "continues an earlier one)")
     s.add_argument("--mix", choices=("proportional", "balanced"), default="proportional",
                    help="proportional: prompts drawn in proportion to each file's size; balanced: "
                         "one prompt from each file in turn (chat-like files are small)")

@@ -196,6 +196,17 @@ def test_distill_stores_length_sorted_batches_in_prompt_order(tmp_path, tiny_tar
         ids = target.encode(p.text)
         alone = generate_batch(target, [ids], 5, chat=False)[0].token_ids
         assert n == len(ids) and s.tolist() == ids + alone
+    # a fresh set can start further along the order: the same samples, the start recorded
+    later = tmp_path / "later"
+    distill(target, d.parent, later, num_prompts=3, start=7, max_new_tokens=5, batch_size=2,
+            progress=False)
+    s7, p7, m7 = load_distill(later)
+    assert m7["start"] == 7 and [s.tolist() for s in s7] == [s.tolist() for s in seqs[7:]]
+    assert p7 == plens[7:]
+    with pytest.raises(spec_jax.SpecJaxError, match="start 7"):
+        distill(target, d.parent, later, num_prompts=4, start=0, progress=False)
+    with pytest.raises(spec_jax.SpecJaxError, match="outside the 10 prompts"):
+        distill(target, d.parent, tmp_path / "x", start=10, progress=False)
     # a datastore of the set holds its responses, documents separated, and says where they came from
     from spec_jax.heads.datastore import datastore_from_distill
 

@@ -75,9 +75,10 @@ def load_sets(paths, target=None) -> tuple[list[np.ndarray], list[int], list[dic
 
 
 def distill(target, data_dir, out_dir, num_prompts=1000, max_new_tokens=160, batch_size=16,
-            temperature=0.0, seed=0, mix="proportional", progress=True):
-    """Generate (or extend) a self-distillation set of `num_prompts` samples (see `order_prompts`
-    for `mix`)."""
+            temperature=0.0, seed=0, mix="proportional", start=0, progress=True):
+    """Generate (or extend) a self-distillation set of `num_prompts` samples: prompts `start`,
+    `start + 1`, ... of the prompt order (see `order_prompts` for `mix`), so a fresh set can
+    continue where an earlier one, perhaps no longer on disk, stopped."""
     from spec_jax.generate import _bucket, generate_batch
 
     out_dir = Path(out_dir)
@@ -85,15 +86,18 @@ def distill(target, data_dir, out_dir, num_prompts=1000, max_new_tokens=160, bat
     if any("eval" in p.resolve().relative_to(root).parts for p in prompt_files(data_dir)):
         raise SpecJaxError("refusing to train on evaluation prompts: pass the train/ folder")
     prompts = order_prompts(data_dir, seed, mix)
+    if not 0 <= start < len(prompts):
+        raise SpecJaxError(f"--start {start} is outside the {len(prompts)} prompts of {data_dir}")
     seqs, plens, done = [], [], 0
     if (out_dir / "manifest.json").is_file():
         seqs, plens, manifest = load_distill(out_dir)
         done = len(seqs)
-        was = (manifest.get("seed"), manifest.get("mix", "proportional"))
-        if was != (seed, mix):
-            raise SpecJaxError(f"{out_dir} was written with seed {was[0]} and mix {was[1]!r}: extend "
-                               "it with the same settings, or write a new set to another --out")
-    todo = prompts[done:num_prompts]
+        was = (manifest.get("seed"), manifest.get("mix", "proportional"), manifest.get("start", 0))
+        if was != (seed, mix, start):
+            raise SpecJaxError(f"{out_dir} was written with seed {was[0]}, mix {was[1]!r} and start "
+                               f"{was[2]}: extend it with the same settings, or write a new set to "
+                               "another --out")
+    todo = prompts[start + done:start + num_prompts]
     t0 = time.time()
     new_tokens = 0
     from tqdm import tqdm
@@ -129,20 +133,22 @@ def distill(target, data_dir, out_dir, num_prompts=1000, max_new_tokens=160, bat
         for x, a in zip(ids, answers):
             seqs.append(np.asarray(x + a, np.int32))
             plens.append(len(x))
-        _write(out_dir, seqs, plens, target, data_dir, max_new_tokens, temperature, seed, mix)
+        _write(out_dir, seqs, plens, target, data_dir, max_new_tokens, temperature, seed, mix,
+               start)
     bar.close()
     return out_dir
 
 
-def _write(out_dir, seqs, plens, target, data_dir, max_new_tokens, temperature, seed, mix):
+def _write(out_dir, seqs, plens, target, data_dir, max_new_tokens, temperature, seed, mix, start):
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / "tokens.tmp.npz"
-    np.savez(tmp, prompt_len=np.asarray(plens, np.int32), **{f"s{i}": s for i, s in enumerate(seqs)})
+    np.savez_compressed(tmp, prompt_len=np.asarray(plens, np.int32), **{f"s{i}": s for i, s in enumerate(seqs)})
     tmp.replace(out_dir / "tokens.npz")
     manifest = {"samples": len(seqs), "tokens": int(sum(len(s) for s in seqs)),
                 "response_tokens": int(sum(len(s) - p for s, p in zip(seqs, plens))),
                 "prompt_source": str(data_dir), "target": str(target.path),
                 "target_fingerprint": target.fingerprint(), "max_new_tokens": max_new_tokens,
-                "temperature": temperature, "seed": seed, "mix": mix, "chat_template": True}
+                "temperature": temperature, "seed": seed, "mix": mix, "start": start,
+                "chat_template": True}
     (out_dir / "manifest.tmp.json").write_text(json.dumps(manifest, indent=2))
     (out_dir / "manifest.tmp.json").replace(out_dir / "manifest.json")
