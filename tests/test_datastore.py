@@ -190,3 +190,24 @@ def test_cached_choice_follows_the_noise_rule(tiny_target, datastore, tmp_path, 
     _store(calibration_key(tiny_target, heads, 1, datastore),
            {"tree": ds, "measured": measured})
     assert cached_tree(tiny_target, heads, datastore=datastore) == ngram
+
+
+def test_shipped_distilled_sets_agree_with_the_shipped_datastore():
+    """checkpoints/ ships the SmolLM2 self-distillation sets (the datastore's source among them):
+    each loads, its manifest counts what it holds, and the rebuilt first set's responses are
+    the datastore's documents."""
+    from pathlib import Path
+
+    from spec_jax.train.distill import load_distill
+
+    root = Path(__file__).resolve().parent.parent / "checkpoints"
+    sets = sorted((root / "smollm2-135m-instruct-distill").glob("balanced-*"))
+    assert sets, "checkpoints/smollm2-135m-instruct-distill/ holds no sets"
+    for d in sets:
+        seqs, plens, m = load_distill(d)
+        lo, hi = map(int, d.name.split("-")[1:])
+        assert (m["start"], m["samples"], m["mix"]) == (lo, hi - lo, "balanced")
+        assert m["response_tokens"] == sum(len(s) - p for s, p in zip(seqs, plens))
+    seqs, plens, _ = load_distill(root / "smollm2-135m-instruct-distill" / "balanced-0-3072")
+    docs = np.load(root / "smollm2-135m-instruct-datastore" / "tokens.npz")["tokens"]
+    np.testing.assert_array_equal(docs, np.concatenate([np.r_[s[p:], -1] for s, p in zip(seqs, plens)]))
