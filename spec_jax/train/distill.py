@@ -1,8 +1,9 @@
 """Self-distillation data: the target writes its own responses to training prompts.
 
-Stored as `tokens.npz` (one int32 array per sample: prompt + response, and the prompt length) and
-`manifest.json` (prompt sources, target checkpoint and fingerprint, sampling settings, counts), so
-a run can be reproduced and extended (an existing set is extended, never overwritten).
+Stored as `tokens.npz` (compressed; one int32 array per sample: prompt + response, and the
+prompt lengths) and `manifest.json` (prompt sources, target checkpoint and fingerprint, sampling
+settings, start, counts), so a run can be reproduced and extended (an existing set is extended,
+never overwritten).
 """
 from __future__ import annotations
 
@@ -142,7 +143,8 @@ def distill(target, data_dir, out_dir, num_prompts=1000, max_new_tokens=160, bat
 def _write(out_dir, seqs, plens, target, data_dir, max_new_tokens, temperature, seed, mix, start):
     out_dir.mkdir(parents=True, exist_ok=True)
     tmp = out_dir / "tokens.tmp.npz"
-    np.savez_compressed(tmp, prompt_len=np.asarray(plens, np.int32), **{f"s{i}": s for i, s in enumerate(seqs)})
+    np.savez_compressed(tmp, prompt_len=np.asarray(plens, np.int32),
+                        **{f"s{i}": s for i, s in enumerate(seqs)})
     tmp.replace(out_dir / "tokens.npz")
     manifest = {"samples": len(seqs), "tokens": int(sum(len(s) for s in seqs)),
                 "response_tokens": int(sum(len(s) - p for s, p in zip(seqs, plens))),
