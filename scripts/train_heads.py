@@ -36,6 +36,10 @@ def main():
     ap.add_argument("--lr", type=float, help="peak learning rate (default: 2e-3 for every method)")
     ap.add_argument("--eagle-ttt", type=int, default=1,
                     help="EAGLE-1/2 draft steps unrolled in training (1: the paper's recipe)")
+    ap.add_argument("--labels", choices=("hard", "soft"), default="hard",
+                    help="cross-entropy on the data's tokens, or on the target's distribution (EAGLE's loss)")
+    ap.add_argument("--eagle-ce-weight", type=float, default=0.1,
+                    help="EAGLE-1/2: cross-entropy weight beside the feature loss (the paper's 0.1)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--out-root", help="write <out-root>/<model-name>-<method> (default: beside the model)")
     ap.add_argument("--features", help="folder to keep (or reuse) the target's features in")
@@ -66,7 +70,8 @@ def main():
         data = {"tokens": toks, "mask": mask, "feats": feats, "aux": aux if m == "eagle3" else None}
         cfg = TrainConfig(method=m, steps=steps, batch_size=a.batch_size,
                           seq_len=a.seq_len, lr=a.lr or LR[m], draft_vocab=a.draft_vocab,
-                          eagle_ttt_steps=a.eagle_ttt)
+                          eagle_ttt_steps=a.eagle_ttt, eagle_ce_weight=a.eagle_ce_weight,
+                          labels=a.labels if m != "medusa" else "hard")
         out = outs[m]
         heads, hist = train(target, data, cfg, out_dir=out, ckpt_dir=ckpts[m],
                             resume=a.resume, init=inits.get(m))

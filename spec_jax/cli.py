@@ -220,6 +220,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--lr", type=float, default=1e-3)
     t.add_argument("--draft-vocab", type=int, default=8192,
                    help="propose from the N most frequent response tokens (0: full vocabulary)")
+    t.add_argument("--labels", choices=["hard", "soft"], default="hard",
+                   help="cross-entropy on the data's tokens, or on the target's own distribution "
+                        "(EAGLE's loss; eagle, eagle3, mtp)")
     t.add_argument("--init", help="heads to fine-tune (kept unchanged) instead of random ones")
     t.add_argument("--resume", action="store_true")
     t.add_argument("--force", action="store_true")
@@ -230,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default=str(DEFAULT_MODEL))
     b.add_argument("--drafts", nargs="*", default=["ngram"])
     b.add_argument("--prompts", nargs="+", default=["../shared/data/eval/mt_bench/question.jsonl"])
-    b.add_argument("--limit", type=int, default=10)
+    b.add_argument("--limit", type=int, default=10,
+                   help="prompts per file, taken in turn from its categories")
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--out", default="bench_out")
     b.add_argument("--datastore", default=None,

@@ -232,3 +232,40 @@ def test_chunked_feature_pass_matches_one_pass(tiny_target):
     # ... and the features of a sequence do not depend on the others in its batch
     alone = feature_cache(tiny_target, seqs[1:2], plens[1:2], 128, aux_layers, batch=2, chunk=16)
     np.testing.assert_allclose(alone[2][0, :100], one[2][1, :100], atol=1e-4)
+
+
+def test_soft_labels_are_the_targets_distribution():
+    """Soft cross-entropy against a (near) one-hot target distribution is the hard cross-entropy on
+    its argmax; against a flatter one it also rewards the runners-up."""
+    import jax.numpy as jnp
+
+    from spec_jax.train.losses import _ce, _soft_ce
+
+    logits = jax.random.normal(jax.random.PRNGKey(0), (2, 5, 7))
+    labels = jax.random.randint(jax.random.PRNGKey(1), (2, 5), 0, 7)
+    mask = jnp.ones((2, 5)).at[1, 3:].set(0)
+    sharp = 60.0 * jax.nn.one_hot(labels, 7)
+    hard, acc = _ce(logits, labels, mask, {})
+    soft, soft_acc = _soft_ce(logits, sharp, labels, mask, {})
+    np.testing.assert_allclose(soft, hard, rtol=1e-5)
+    assert soft_acc == acc
+    flat, _ = _soft_ce(logits, jnp.zeros_like(logits), labels, mask, {})
+    np.testing.assert_allclose(flat, -(jax.nn.log_softmax(logits).mean(-1) * mask).sum() / mask.sum(),
+                               rtol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["eagle", "eagle3"])
+def test_soft_label_training_learns_the_target(toy, method):
+    """labels='soft' (EAGLE's loss: the target's own distribution) trains heads as well as the data's
+    tokens do; Medusa, which reads no target features at the next position, refuses it."""
+    target, _, seqs = toy
+    data = data_for(target, seqs, method)
+    cfg = TrainConfig(method=method, steps=150, batch_size=8, seq_len=SEQ, lr=3e-3, warmup=10,
+                      ttt_steps=2, labels="soft", hparams=tuple(HP[method].items()))
+    heads, hist = train(target, data, cfg, progress=False)
+    assert hist[-1]["eval_acc1"] > 0.6
+    assert heads.hparams["training"]["labels"] == "soft"
+    with pytest.raises(spec_jax.SpecJaxError, match="soft labels"):
+        train(target, data_for(target, seqs, "medusa"),
+              dataclasses.replace(cfg, method="medusa", hparams=tuple(HP["medusa"].items())),
+              progress=False)

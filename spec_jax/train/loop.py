@@ -45,12 +45,18 @@ class TrainConfig:
     # training-time test (later steps feed back the head's own features, cross-entropy only)
     eagle_ttt_steps: int = 1
     noise: float = 0.1  # uniform feature noise (EAGLE-1/2)
+    # EAGLE-1/2: weight of the cross-entropy beside the SmoothL1 feature loss (the paper's 0.1, set
+    # for LLaMA's hidden states; SmolLM2's are ~25 per dimension, so its feature loss outweighs it)
+    eagle_ce_weight: float = 0.1
     decay: float = 0.8
     save_every: int = 200
     keep: int = 2
     holdout: float = 0.05  # share of sequences held out for evaluation (none below 20 sequences)
     eval_every: int = 100
     draft_vocab: int = 8192  # propose from the most frequent response tokens (0: full vocabulary)
+    # "hard": cross-entropy on the data's next tokens; "soft": on the target's distribution there
+    # (EAGLE's and EAGLE-3's loss; feature drafters only)
+    labels: str = "hard"
     hparams: tuple = ()  # extra head hyper-parameters as (key, value) pairs
 
 
@@ -159,19 +165,24 @@ def unrolled_steps(heads: DraftHeads, cfg: TrainConfig) -> int:
 
 def make_loss(heads: DraftHeads, tcfg, cfg: TrainConfig):
     method = heads.method
+    if cfg.labels not in ("hard", "soft"):
+        raise SpecJaxError(f"labels={cfg.labels!r}: use 'hard' or 'soft'")
     if method == "medusa":
+        if cfg.labels == "soft":
+            raise SpecJaxError("soft labels are for feature drafters (eagle, eagle3, mtp); "
+                               "train Medusa with labels='hard'")
         n = heads.hparams["num_heads"]
         return lambda dp, tp, batch, key: losses.medusa_loss(dp, tp, tcfg, batch, n, cfg.decay)
     drafter = heads.drafter()
     steps = unrolled_steps(heads, cfg)
     if method == "eagle":
-        kw = dict(steps=steps, noise=cfg.noise, feat_loss_weight=1.0, ce_weight=0.1,
-                  decay=cfg.decay)
+        kw = dict(steps=steps, noise=cfg.noise, feat_loss_weight=1.0,
+                  ce_weight=cfg.eagle_ce_weight, decay=cfg.decay)
     else:  # eagle3 and mtp: unrolled, cross-entropy only
         kw = dict(steps=steps, noise=0.0, feat_loss_weight=0.0, ce_weight=1.0,
                   decay=cfg.decay if method == "eagle3" else 1.0)
     return lambda dp, tp, batch, key: losses.feature_unrolled(drafter, dp, tp, tcfg, batch, key=key,
-                                                              **kw)
+                                                              soft=cfg.labels == "soft", **kw)
 
 
 def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, resume=False,
@@ -281,9 +292,11 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
         mngr.close()
     heads.params = {**trainable, **frozen}
     run = {"steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "lr": cfg.lr,
-           "seed": cfg.seed, "wall_seconds": round(time.time() - t0, 1)}
+           "seed": cfg.seed, "labels": cfg.labels, "wall_seconds": round(time.time() - t0, 1)}
     if heads.method in ("eagle", "eagle3"):
         run["ttt_steps"] = unrolled_steps(heads, cfg)
+    if heads.method == "eagle":
+        run["ce_weight"] = cfg.eagle_ce_weight
     if init is not None:  # keep the record of the runs it was fine-tuned from
         run["init"] = init.hparams.get("training")
     heads.hparams["training"] = run
@@ -307,7 +320,8 @@ def train_cli(a):
     toks, mask, feats, aux = feature_cache(target, seqs, plens, a.seq_len, aux_layers)
     print(f"feature cache: {len(toks)} sequences x {a.seq_len} tokens in {time.time() - t0:.1f}s")
     cfg = TrainConfig(method=a.method, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len,
-                      lr=a.lr, seed=a.seed, draft_vocab=a.draft_vocab)
+                      lr=a.lr, seed=a.seed, draft_vocab=a.draft_vocab,
+                      labels=a.labels)
     init = spec_jax.load_draft(a.init) if a.init else None
     heads, hist = train(target, {"tokens": toks, "mask": mask, "feats": feats, "aux": aux}, cfg,
                         out_dir=out, ckpt_dir=out.parent / f".{out.name}.ckpt", resume=a.resume,

@@ -37,6 +37,19 @@ def _ce(logits, labels, mask, dparams):
         mask.sum(), 1.0)
 
 
+def _soft_ce(logits, target_logits, labels, mask, dparams):
+    """Cross-entropy against the target's own distribution over the draft vocabulary (EAGLE's
+    loss: the runners-up it would also accept at temperature > 0, and the ranking a tree's
+    top-k expands, are taught too) and top-1 accuracy against the data's labels, as `_ce`.
+    logits, target_logits [..., Vd]; labels, mask [...]."""
+    p = jax.nn.softmax(jax.lax.stop_gradient(target_logits), axis=-1)
+    ce = -(p * jax.nn.log_softmax(logits, axis=-1)).sum(-1)
+    d_labels, in_vocab = to_draft_labels(dparams, labels, mask)
+    acc = (jnp.argmax(logits, -1) == d_labels).astype(jnp.float32) * in_vocab
+    return (ce * mask).sum() / jnp.maximum(mask.sum(), 1.0), acc.sum() / jnp.maximum(
+        mask.sum(), 1.0)
+
+
 def unrolled_features(drafter, dparams, tparams, tcfg, toks, t_feat, steps: int):
     """Draft output features of `steps` unrolled draft steps along the true tokens.
 
@@ -83,19 +96,29 @@ def unrolled_features(drafter, dparams, tparams, tcfg, toks, t_feat, steps: int)
 
 
 def feature_unrolled(drafter, dparams, tparams, tcfg, batch, steps: int, key, noise: float,
-                     feat_loss_weight: float, ce_weight: float, decay: float):
-    """Loss of a feature drafter unrolled for `steps` draft steps. Returns (loss, metrics)."""
+                     feat_loss_weight: float, ce_weight: float, decay: float, soft: bool = False):
+    """Loss of a feature drafter unrolled for `steps` draft steps. Returns (loss, metrics).
+
+    soft: cross-entropy against the target's distribution at the next position (its final norm and
+    LM head over the cached features) instead of the data's next token."""
     toks, feats, mask = batch["tokens"], batch["feats"], batch["mask"].astype(jnp.float32)
     l = toks.shape[1]
     t_feat = drafter.target_feature(dparams, tcfg, feats, batch.get("aux"))
     if noise > 0:
         t_feat = t_feat + noise * jax.random.uniform(key, t_feat.shape, minval=-1.0, maxval=1.0)
     total, metrics = 0.0, {}
+    if soft:  # the target's logits at position j predict the token j + 1
+        from spec_jax.heads.vocab import shared_head_logits
+        t_logits = jax.lax.stop_gradient(shared_head_logits(dparams, tparams, tcfg, feats))
     for i, feat in enumerate(unrolled_features(drafter, dparams, tparams, tcfg, toks, t_feat, steps)):
         # step i at position j predicts the token j + i + 2, where the data has one
         labels = _shift(toks, i + 2)
         valid = _shift(mask, i + 2) * (jnp.arange(l)[None] < l - i - 2)
-        ce, acc = _ce(drafter.logits(dparams, tparams, tcfg, feat), labels, valid, dparams)
+        logits = drafter.logits(dparams, tparams, tcfg, feat)
+        if soft:
+            ce, acc = _soft_ce(logits, _shift(t_logits, i + 1), labels, valid, dparams)
+        else:
+            ce, acc = _ce(logits, labels, valid, dparams)
         total = total + decay ** i * ce_weight * ce
         metrics[f"acc{i + 1}"] = acc
         if i == 0 and feat_loss_weight > 0:
