@@ -15,7 +15,7 @@ import time
 from collections import defaultdict
 
 import spec_jax
-from spec_jax.data import read_prompts
+from spec_jax.data import read_prompts, spread
 from spec_jax.heads.graft import uses_datastore
 
 SETS = {"mt_bench": "../shared/data/eval/mt_bench/question.jsonl",
@@ -37,7 +37,8 @@ def main():
     ap.add_argument("--model", default="checkpoints/smollm2-135m-instruct")
     ap.add_argument("--drafts", nargs="+", required=True)
     ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--limit", type=int, default=None, help="prompts per set (default: all)")
+    ap.add_argument("--limit", type=int, default=None,
+                    help="prompts per set, taken in turn from its categories (default: all)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--rotate", action="store_true")
     ap.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
@@ -53,7 +54,7 @@ def main():
     t0 = time.time()
     for set_name in a.sets:
         path = SETS[set_name]
-        prompts = [p.text for p in read_prompts(path)][:a.limit]
+        prompts = [p.text for p in spread(read_prompts(path), a.limit)]
         prompts.sort(key=len)  # neighbours share a padded shape: fewer compilations
         assign = defaultdict(list)
         for i, p in enumerate(prompts):

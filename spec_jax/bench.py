@@ -190,15 +190,15 @@ def bench_cli(a):
     import jax
 
     import spec_jax
-    from spec_jax.data import read_prompts
+    from spec_jax.data import read_prompts, spread
 
     target = spec_jax.load_target(a.model)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     sets = {}
     for path in a.prompts:
-        ps = read_prompts(path)
-        sets[Path(path).parent.name if Path(path).is_file() else Path(path).name] = ps[:a.limit]
+        ps = spread(read_prompts(path), a.limit)
+        sets[Path(path).parent.name if Path(path).is_file() else Path(path).name] = ps
     ds = spec_jax.load_datastore(a.datastore) if a.datastore else None
     drafts: dict[str, tuple] = {"plain": (None, None)}
     sized = set()  # heads sized in this run (--calibrate sizes each once)

@@ -78,6 +78,22 @@ def read_prompts(path: str | Path) -> list[Prompt]:
     return out
 
 
+def spread(prompts: list[Prompt], n: int | None) -> list[Prompt]:
+    """`n` prompts taken in turn from each category (in file order), so a limited run covers the
+    whole set: MT-bench's file lists its 8 categories one after another, and its first 10 prompts
+    are all `writing`, the category that accepts least. None: all prompts, in file order."""
+    if n is None or n >= len(prompts):
+        return list(prompts)
+    by_cat: dict[str, list[Prompt]] = {}
+    for p in prompts:
+        by_cat.setdefault(p.category, []).append(p)
+    out, i = [], 0
+    while len(out) < n:
+        out += [ps[i] for ps in by_cat.values() if i < len(ps)][:n - len(out)]
+        i += 1
+    return out
+
+
 def iter_batches(items, size) -> Iterator[list]:
     for i in range(0, len(items), size):
         yield items[i:i + size]

@@ -196,3 +196,17 @@ def test_rank_profile_for_every_method(tiny_target, method):
     prof = rank_profile(tiny_target, heads, seqs, [4, 6], depth=depth, max_rank=4)
     assert [r.shape for r in prof] == [(19 - 3 - depth - 1, depth), (25 - 5 - depth - 1, depth)]
     assert all(((r >= -1) & (r < 4)).all() for r in prof)
+
+
+def test_a_limited_run_spreads_over_the_categories():
+    """--limit takes prompts in turn from each category: MT-bench's first 10 prompts are all
+    `writing`, so the first N would measure one category, not the set."""
+    from spec_jax.data import Prompt, read_prompts, spread
+    from tests.conftest import SHARED
+
+    ps = [Prompt("s", str(i), c, f"{c}{i}") for i, c in enumerate("aaaabbc")]
+    assert [p.text for p in spread(ps, 5)] == ["a0", "b4", "c6", "a1", "b5"]
+    assert [p.text for p in spread(ps, 2)] == ["a0", "b4"]
+    assert spread(ps, None) == ps and spread(ps, 99) == ps
+    mt = spread(read_prompts(SHARED / "data/eval/mt_bench/question.jsonl"), 8)
+    assert len({p.category for p in mt}) == 8
