@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from spec_jax.heads.vocab import to_draft_labels
+from spec_jax.heads.vocab import shared_head_logits, to_draft_labels
 
 
 def _shift(x, i, fill=0):
@@ -27,14 +27,19 @@ def _shift(x, i, fill=0):
     return jnp.concatenate([x[:, i:], pad], axis=1)
 
 
+def _top1(logits, d_labels, in_vocab, mask):
+    """Top-1 accuracy over all labels (a token outside the draft vocabulary counts as a miss)."""
+    acc = (jnp.argmax(logits, -1) == d_labels).astype(jnp.float32) * in_vocab
+    return acc.sum() / jnp.maximum(mask.sum(), 1.0)
+
+
 def _ce(logits, labels, mask, dparams):
-    """Mean cross-entropy over draft-vocabulary labels and top-1 accuracy over all labels (a token
-    outside the draft vocabulary counts as a miss): logits [..., Vd], target-id labels [...]."""
+    """Mean cross-entropy over draft-vocabulary labels and top-1 accuracy (`_top1`):
+    logits [..., Vd], target-id labels [...]."""
     d_labels, in_vocab = to_draft_labels(dparams, labels, mask)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, d_labels)
-    acc = (jnp.argmax(logits, -1) == d_labels).astype(jnp.float32) * in_vocab
-    return (ce * in_vocab).sum() / jnp.maximum(in_vocab.sum(), 1.0), acc.sum() / jnp.maximum(
-        mask.sum(), 1.0)
+    return (ce * in_vocab).sum() / jnp.maximum(in_vocab.sum(), 1.0), _top1(logits, d_labels,
+                                                                            in_vocab, mask)
 
 
 def _soft_ce(logits, target_logits, labels, mask, dparams):
@@ -43,11 +48,9 @@ def _soft_ce(logits, target_logits, labels, mask, dparams):
     top-k expands, are taught too) and top-1 accuracy against the data's labels, as `_ce`.
     logits, target_logits [..., Vd]; labels, mask [...]."""
     p = jax.nn.softmax(jax.lax.stop_gradient(target_logits), axis=-1)
-    ce = -(p * jax.nn.log_softmax(logits, axis=-1)).sum(-1)
+    ce = optax.softmax_cross_entropy(logits, p)
     d_labels, in_vocab = to_draft_labels(dparams, labels, mask)
-    acc = (jnp.argmax(logits, -1) == d_labels).astype(jnp.float32) * in_vocab
-    return (ce * mask).sum() / jnp.maximum(mask.sum(), 1.0), acc.sum() / jnp.maximum(
-        mask.sum(), 1.0)
+    return (ce * mask).sum() / jnp.maximum(mask.sum(), 1.0), _top1(logits, d_labels, in_vocab, mask)
 
 
 def unrolled_features(drafter, dparams, tparams, tcfg, toks, t_feat, steps: int):
@@ -108,8 +111,7 @@ def feature_unrolled(drafter, dparams, tparams, tcfg, batch, steps: int, key, no
         t_feat = t_feat + noise * jax.random.uniform(key, t_feat.shape, minval=-1.0, maxval=1.0)
     total, metrics = 0.0, {}
     if soft:  # the target's logits at position j predict the token j + 1
-        from spec_jax.heads.vocab import shared_head_logits
-        t_logits = jax.lax.stop_gradient(shared_head_logits(dparams, tparams, tcfg, feats))
+        t_logits = shared_head_logits(dparams, tparams, tcfg, feats)
     for i, feat in enumerate(unrolled_features(drafter, dparams, tparams, tcfg, toks, t_feat, steps)):
         # step i at position j predicts the token j + i + 2, where the data has one
         labels = _shift(toks, i + 2)
