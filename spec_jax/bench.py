@@ -7,7 +7,8 @@ accepted tokens per target call), tokens/s, speedup over plain decoding from the
 share of time spent verifying (the target's tree forward, timed on its own at the same tree size)
 versus drafting and bookkeeping (the rest of each step).
 
-`--calibrate` (and any `HEADS@auto`) sizes the tree with `spec_jax.sizing` and plots its curve.
+`--calibrate` (and any `HEADS@auto`) sizes the tree with `spec_jax.sizing` and plots its curve;
+`--calibrate-on FILE` sizes it on prompts of the user's own workload instead of the built-in ones.
 """
 from __future__ import annotations
 
@@ -185,6 +186,22 @@ def plot(rows, runs_hist: dict[str, list[int]], out_dir: Path):
     plt.close(fig)
 
 
+CALIBRATION_PROMPTS = 8
+
+
+def calibration_prompts(prompts: list, measured: list, n: int = CALIBRATION_PROMPTS) -> list:
+    """`n` prompts of a user's own set to size trees on, spread over its categories and never one
+    the bench measures (a tree sized on the prompts it is scored on would flatter itself)."""
+    from spec_jax.data import spread
+
+    seen = {p.text for p in measured}
+    rest = [p for p in prompts if p.text not in seen]
+    if not rest:
+        raise SpecJaxError("--calibrate-on has no prompt that the bench does not measure: give it "
+                           "another file, or a smaller --limit")
+    return spread(rest, n)
+
+
 def bench_cli(a):
     """`spec-jax bench`: one interleaved run of plain decoding, drafters and transformers peers."""
     import jax
@@ -200,6 +217,9 @@ def bench_cli(a):
         ps = spread(read_prompts(path), a.limit)
         sets[Path(path).parent.name if Path(path).is_file() else Path(path).name] = ps
     ds = spec_jax.load_datastore(a.datastore) if a.datastore else None
+    calib = None
+    if a.calibrate_on:
+        calib = calibration_prompts(read_prompts(a.calibrate_on), [p for ps in sets.values() for p in ps])
     drafts: dict[str, tuple] = {"plain": (None, None)}
     sized = set()  # heads sized in this run (--calibrate sizes each once)
     for spec in a.drafts:
@@ -212,7 +232,7 @@ def bench_cli(a):
         fresh = a.calibrate and name not in sized
         base, ds_n = split_datastore(tree or None)
         if base == "auto" or fresh:
-            chosen, report = size_tree(target, heads, use_cache=not fresh, datastore=ds)
+            chosen, report = size_tree(target, heads, calib, use_cache=not fresh, datastore=ds)
             sized.add(name)
             (out / f"sizing_{heads.method}.json").write_text(json.dumps(report, indent=1))
             _plot_curve(report, out / f"sizing_{heads.method}.png")

@@ -242,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--calibrate", action="store_true",
                    help="size the tree of every heads afresh (HEADS@auto sizes once, cached) and "
                         "print and plot the curve it was chosen from")
+    b.add_argument("--calibrate-on", metavar="PROMPTS",
+                   help="size trees on 8 prompts of this file (spread over its categories, none "
+                        "that the bench measures) instead of the built-in calibration prompts; "
+                        "the choice is cached for tree='auto' as any sizing is")
     b.set_defaults(fn=cmd_bench)
     return p
 

@@ -210,3 +210,26 @@ def test_a_limited_run_spreads_over_the_categories():
     assert spread(ps, None) == ps and spread(ps, 99) == ps
     mt = spread(read_prompts(SHARED / "data/eval/mt_bench/question.jsonl"), 8)
     assert len({p.category for p in mt}) == 8
+
+
+def test_calibration_on_a_users_set_never_takes_a_measured_prompt():
+    from spec_jax.bench import calibration_prompts
+    from spec_jax.data import Prompt, spread
+    from spec_jax.errors import SpecJaxError
+
+    ps = [Prompt("s", str(i), c, f"{c}{i}") for i, c in enumerate("aaaabbbcc")]
+    measured = spread(ps, 3)  # a0, b4, c7
+    calib = calibration_prompts(ps, measured, n=4)
+    assert [p.text for p in calib] == ["a1", "b5", "c8", "a2"]
+    with pytest.raises(SpecJaxError, match="does not measure"):
+        calibration_prompts(ps, ps)
+
+
+def test_a_predicted_near_tie_of_higher_tau_is_measured_too():
+    from spec_jax.sizing import contenders
+
+    c = lambda size, tau, pred: {"size": size, "tau": tau, "predicted_tokens_per_second": pred}  # noqa: E731
+    small, deep, deeper = c(4, 1.74, 65.6), c(8, 2.11, 65.0), c(16, 2.35, 57.9)
+    assert contenders([deeper, small, deep]) == [small, deep]  # 1% apart: both run; 12%: not
+    assert contenders([small, deeper]) == [small]
+    assert contenders([deep, c(4, 1.5, 64.0)]) == [deep]  # the fastest already has the higher tau
