@@ -229,7 +229,7 @@ def bench_cli(a):
             continue
         heads = spec_jax.load_draft(name)
         label = f"{heads.method}" + (f"@{tree}" if tree else "")
-        fresh = a.calibrate and name not in sized
+        fresh = bool(a.calibrate or a.calibrate_on) and name not in sized
         base, ds_n = split_datastore(tree or None)
         if base == "auto" or fresh:
             chosen, report = size_tree(target, heads, calib, use_cache=not fresh, datastore=ds)

@@ -245,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--calibrate-on", metavar="PROMPTS",
                    help="size trees on 8 prompts of this file (spread over its categories, none "
                         "that the bench measures) instead of the built-in calibration prompts; "
-                        "the choice is cached for tree='auto' as any sizing is")
+                        "implies --calibrate; the choice is cached for tree='auto' as any sizing is")
     b.set_defaults(fn=cmd_bench)
     return p
 
