@@ -97,7 +97,9 @@ def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 
     tree: for heads, None (the tree sized for this device if one was, else the method's default),
     "auto" (size it now if it was not: a one-off measurement, see `spec_jax.sizing`),
     "dynamic:TOP_K,DEPTH,TOTAL", "mc_sim_7b_63", "medusa", "chain:N", or a list of paths;
-    "TREE+ngram:N" grafts the n-gram chain of the context on, "TREE+ds:N" the datastore's.
+    "TREE+ngram:N" grafts the n-gram chain of the context on, "TREE+ds:N" the datastore's; a
+    switch ({"switch": [...], "policy": [...]}, spec_jax.heads.switch) picks per row and step
+    between head trees and n-gram chains of the same size.
     datastore: a corpus of the target's own output to draft from (`load_datastore`), grafted on
     with `+ds:N` tokens (8 if the tree does not say).
     Greedy speculative output equals plain greedy output; at temperature > 0 the output

@@ -20,6 +20,10 @@ Sequoia's idea with measured costs, in three measurements:
    the best with a higher tau, see `contenders`) are then run end to end on the calibration
    prompts, and the fastest wins: speculation is chosen only where it measurably
    pays (a datastore graft must win by more than the host's noise, see `pick_winner`).
+   Beside fixed trees, switches (spec_jax.heads.switch) of 4, 8 and 16 tokens are weighed: per
+   step the tokens go to the head's tree or to an n-gram chain by the length of the context's
+   n-gram match, with the policy that accepts most on the profile (`switch_trees`); the best
+   predicted switch runs end to end too.
 
 The choice is cached per device kind, target (and its layer layout: packed CPU matmuls change every
 cost), heads (method + weights fingerprint) and batch. The verify-latency curve is cached per
@@ -66,13 +70,14 @@ DEFAULT_PROMPTS = [
 TREE_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 GRAFT_DEPTHS = (2, 4, 8, 16)  # n-gram chains tried on top of each tree (spec_jax.heads.graft)
 DS_DEPTHS = (4, 8)  # datastore chains tried too, when sizing with a datastore
+SWITCH_SIZES = (4, 8, 16)  # tree tokens of the switches weighed (spec_jax.heads.switch)
 PLAIN = "plain"
 
 
 def cache_file() -> Path:
     from spec_jax.convert.fetch import cache_dir
 
-    return cache_dir() / "trees-v5.json"
+    return cache_dir() / "trees-v6.json"
 
 
 def _target_parts(target, batch: int) -> tuple[str, str, str, str, str]:
@@ -214,6 +219,30 @@ def _prefixes(row):
     return out
 
 
+def _head_accepted(row, tree: set) -> int:
+    """Tokens a static tree (a set of rank-prefix tuples) accepts at a position of the profile."""
+    a = 0
+    for p in _prefixes(row):
+        if p not in tree:
+            break
+        a = len(p)
+    return a
+
+
+def _replay(accepted: list[np.ndarray]) -> float:
+    """Tau of greedy decoding that accepts accepted[k][i] draft tokens at position i of sequence
+    k: from each step's root, move past the accepted tokens and the bonus token."""
+    emitted = steps = 0
+    for acc in accepted:
+        i = 0
+        while i < len(acc):
+            a = int(acc[i])
+            emitted += a + 1
+            steps += 1
+            i += a + 1
+    return emitted / steps if steps else 1.0
+
+
 def replay_tau(profile: list[np.ndarray], paths, ngram=None, graft: int = 0, ds=None,
                ds_graft: int = 0) -> float:
     """Accepted tokens per target call of greedy decoding with the static tree `paths`, replayed
@@ -221,23 +250,15 @@ def replay_tau(profile: list[np.ndarray], paths, ngram=None, graft: int = 0, ds=
     With `graft` > 0, a `graft`-token n-gram chain is grafted on (`ngram`: see `chain_profile`),
     with `ds_graft` > 0 a datastore chain (`ds`); the longest accepted of tree and chains wins."""
     tree = {tuple(p) for p in paths}
-    emitted = steps = 0
+    accepted = []
     for k, ranks in enumerate(profile):
-        i = 0
-        while i < len(ranks):
-            a = 0
-            for p in _prefixes(ranks[i]):
-                if p not in tree:
-                    break
-                a = len(p)
-            if graft:
-                a = max(a, min(int(ngram[k][i]), graft))
-            if ds_graft:
-                a = max(a, min(int(ds[k][i]), ds_graft))
-            emitted += a + 1
-            steps += 1
-            i += a + 1
-    return emitted / steps if steps else 1.0
+        a = np.array([_head_accepted(row, tree) for row in ranks], np.int64)
+        if graft:
+            a = np.maximum(a, np.minimum(ngram[k], graft))
+        if ds_graft:
+            a = np.maximum(a, np.minimum(ds[k], ds_graft))
+        accepted.append(a)
+    return _replay(accepted)
 
 
 def chain_profile(seqs, plens, profile, depth: int, continuation=None) -> list[np.ndarray]:
@@ -245,7 +266,7 @@ def chain_profile(seqs, plens, profile, depth: int, continuation=None) -> list[n
     drafted from that root's context are the true continuation. `continuation(NgramState)` ->
     (tokens [B, depth], valid [B, depth]) drafts it; the default is the n-gram drafter's
     (spec_jax.heads.ngram). A grafted tree accepts the longer of its own path and this."""
-    from spec_jax.heads.ngram import NgramDrafter, NgramState
+    from spec_jax.heads.ngram import NgramDrafter
 
     continuation = continuation or NgramDrafter(depth=depth).continuation
     out = []
@@ -255,9 +276,9 @@ def chain_profile(seqs, plens, profile, depth: int, continuation=None) -> list[n
             out.append(np.zeros((0,), np.int32))
             continue
         s = np.asarray(s, np.int32)
-        hlen = p + 1 + np.arange(n)  # rank row i has its root at token p + i
-        hist = np.broadcast_to(s, (n, len(s)))
-        tok, valid = continuation(NgramState(hist=jnp.asarray(hist), hlen=jnp.asarray(hlen)))
+        state = _histories(s, p, n)
+        hlen = np.asarray(state.hlen)
+        tok, valid = continuation(state)
         true = np.full((n, depth), -1, np.int32)
         for i, h in enumerate(hlen):
             nxt = s[h:h + depth]
@@ -265,6 +286,77 @@ def chain_profile(seqs, plens, profile, depth: int, continuation=None) -> list[n
         agree = np.asarray(valid) & (np.asarray(tok) == true)
         out.append(np.cumprod(agree, axis=1).sum(axis=1).astype(np.int32))
     return out
+
+
+def _histories(seq: np.ndarray, plen: int, n: int):
+    """The n-gram drafter's state at the roots of a sequence's first n profile positions (rank
+    row i has its root at token plen + i)."""
+    from spec_jax.heads.ngram import NgramState
+
+    hlen = plen + 1 + np.arange(n)
+    return NgramState(hist=jnp.asarray(np.broadcast_to(seq, (n, len(seq)))), hlen=jnp.asarray(hlen))
+
+
+def match_profile(seqs, plens, profile) -> list[np.ndarray]:
+    """For the positions of `rank_profile`: the length (0..8) of the longest suffix of the context
+    at that root which occurred earlier in it, as the n-gram drafter finds it (what a switch's
+    policy reads, spec_jax.heads.switch)."""
+    from spec_jax.heads.ngram import NgramDrafter
+
+    out = []
+    for s, p, ranks in zip(seqs, plens, profile):
+        if len(ranks) == 0:
+            out.append(np.zeros((0,), np.int32))
+            continue
+        out.append(np.asarray(NgramDrafter().search(_histories(np.asarray(s, np.int32), p,
+                                                               len(ranks)))[1]))
+    return out
+
+
+SWITCH_MIN_POSITIONS = 30  # a policy entry rests on at least this many profile positions
+
+
+def switch_trees(profile, trees: list[dict], ngram, match, size: int) -> dict | None:
+    """The best switch of `size` tree tokens (spec_jax.heads.switch) over the profile: arms are
+    the best head tree of size - g nodes plus a g-token n-gram chain, for every g the trees allow
+    (the root alone with size - 1); for each n-gram match length the arm that accepts most at
+    the profile's positions of that length (neighbouring lengths pooled until there are
+    SWITCH_MIN_POSITIONS). Returns {"switch", "policy", "tau", "depth", "top_k"} or None."""
+    by_size = {t["size"]: t["paths"] for t in trees}
+    by_size[1] = []
+    arms = [(by_size[size - g], g) for g in range(size) if size - g in by_size
+            and (g == 0 or g == size - 1 or g % 2 == 0)]
+    if len(arms) < 2:
+        return None
+    acc = []  # acc[arm][k]: accepted tokens at each position of sequence k
+    for paths, g in arms:
+        tree = {tuple(p) for p in paths}
+        acc.append([np.maximum(np.array([_head_accepted(r, tree) for r in ranks], np.int64),
+                               np.minimum(ngram[k], g)) for k, ranks in enumerate(profile)])
+    m_all = np.concatenate(match) if match else np.zeros((0,), np.int32)
+    if len(m_all) == 0:
+        return None
+    a_all = np.stack([np.concatenate(a) for a in acc])  # [arms, positions]
+    top = int(m_all.max())
+    policy = []
+    for m in range(top + 1):
+        lo = hi = m
+        while np.sum((m_all >= lo) & (m_all <= hi)) < SWITCH_MIN_POSITIONS and (lo > 0 or hi < top):
+            lo, hi = max(lo - 1, 0), min(hi + 1, top)
+        sel = (m_all >= lo) & (m_all <= hi)
+        policy.append(int(np.argmax(a_all[:, sel].sum(axis=1))))
+    used = sorted(set(policy))
+    if len(used) < 2:
+        return None  # one arm everywhere: that arm is a plain grafted tree, already on the curve
+    policy = [used.index(p) for p in policy]
+    arms = [arms[i] for i in used]
+    acc = [acc[i] for i in used]
+    chosen = [np.choose(np.asarray(policy)[mk], [a[k] for a in acc])
+              for k, mk in enumerate(match)]
+    paths = [p for a, _ in arms for p in a]
+    return {"switch": [{"base": a, "ngram": g} for a, g in arms], "policy": policy,
+            "tau": _replay(chosen), "depth": max((len(p) for p in paths), default=0),
+            "top_k": 1 + max((max(p) for p in paths), default=0)}
 
 
 def best_trees(profile: list[np.ndarray], sizes=TREE_SIZES) -> list[dict]:
@@ -286,22 +378,24 @@ def best_trees(profile: list[np.ndarray], sizes=TREE_SIZES) -> list[dict]:
 # ---- 2. costs ----
 
 def verify_latency(target, sizes, batch: int = 1, fill: int = 256, iters: int = 8,
-                   repeats: int = 3, attn_impl: str = "auto") -> dict:
+                   repeats: int = 4, attn_impl: str = "auto") -> dict:
     """Seconds of one target forward over T block tokens against `fill` cached tokens, as it runs
     inside the generation loop: `iters` dependent forwards in one `fori_loop` (so per-call dispatch
-    is not counted), per forward, best of `repeats`."""
+    is not counted), per forward, best of `repeats`. The sizes take turns within each repeat, so a
+    burst of load on a shared host slows one reading of each size rather than every reading of
+    one size (it once made 8 tokens look 1.5x the cost of 4, and every 8-token tree lost)."""
     from pallas_kernels.cpu_argmax import argmax
     from spec_jax.models.llama import causal_mask, forward
 
     cfg = target.cfg
-    out = {}
+    runs = {}
     for t in sizes:
         cache = target.new_cache(batch, fill + t + 128)
         cache = cache.replace(length=jnp.full((batch,), fill, jnp.int32),
                               valid=cache.valid.at[:, :fill].set(True))
         pos = fill + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
 
-        def run(params, cache, toks, t=t):
+        def run(params, cache, toks, t=t, pos=pos):
             def body(_, tk):  # the next block depends on this one's logits: no hoisting
                 logits = forward(params, cfg, tk, pos, cache, causal_mask(batch, t),
                                  attn_impl=attn_impl).logits
@@ -310,9 +404,15 @@ def verify_latency(target, sizes, batch: int = 1, fill: int = 256, iters: int = 
             return jax.lax.fori_loop(0, iters, body, toks)
 
         with jax.default_matmul_precision(loop_precision(cfg)):  # as generate compiles it
-            out[t] = _best_time(jax.jit(run), (target.params, cache,
-                                               jnp.zeros((batch, t), jnp.int32)), repeats) / iters
-    return out
+            f = jax.jit(run).lower(target.params, cache, jnp.zeros((batch, t), jnp.int32)).compile()
+        runs[t] = (f, (target.params, cache, jnp.zeros((batch, t), jnp.int32)))
+    best = {t: float("inf") for t in sizes}
+    for _ in range(repeats + 1):  # the first round warms up
+        for t, (f, args) in runs.items():
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(*args))
+            best[t] = min(best[t], time.perf_counter() - t0)
+    return {t: v / iters for t, v in best.items()}
 
 
 def draft_latency(target, heads, tree, batch: int = 1, fill: int = 256, iters: int = 8,
@@ -448,6 +548,20 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
                 curve.append({"size": size, "depth": d, "top_k": 1 + max(max(p) for p in t["paths"]),
                               "ngram": g, "ds": n, "tau": tau, "step_seconds": step,
                               "predicted_tokens_per_second": batch * tau / step, "paths": t["paths"]})
+    if trees and datastore is None:
+        match = match_profile(seqs, plens, ranks)
+        for size in SWITCH_SIZES:
+            sw = switch_trees(ranks, trees, ngram, match, size) if size in verify else None
+            if sw is None:
+                continue
+            step = _interp(verify, size) + draft[sw["depth"]] + graft_cost
+            arms = sw["switch"]
+            curve.append({"size": size, "depth": sw["depth"], "top_k": sw["top_k"],
+                          "ngram": max(a["ngram"] for a in arms), "ds": 0, "tau": sw["tau"],
+                          "step_seconds": step, "predicted_tokens_per_second": batch * sw["tau"] / step,
+                          "paths": sorted({tuple(p) for a in arms for p in a["base"]},
+                                          key=lambda p: (len(p), p)),
+                          "switch": {"switch": arms, "policy": sw["policy"]}})
     fastest = lambda cs: max(cs, key=lambda c: c["predicted_tokens_per_second"])  # noqa: E731
     best = fastest(curve) if curve else None
     if best is not None:
@@ -457,14 +571,16 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
         # percent of predicted speed is within this host's noise, so the measurement decides
         # (the group's fastest also with its dynamic twin)
         picks = [(c, i == 0) for cs in ([c for c in curve if c["ds"]],
-                                        [c for c in curve if c["ngram"] and not c["ds"]],
+                                        [c for c in curve if "switch" in c],
+                                        [c for c in curve if c["ngram"] and not c["ds"]
+                                         and "switch" not in c],
                                         [c for c in curve if not c["ngram"] and not c["ds"]]) if cs
                  for i, c in enumerate(contenders(cs))]
         picks.sort(key=lambda ct: ct[0] is not best)
         for c, twin in picks:
             measured.append(measure(_choice(c["paths"], c, datastore)))
             size = c["size"] - c["ngram"] - c["ds"]
-            if (twin and heads.method != "medusa" and size > c["depth"] + 1
+            if (twin and heads.method != "medusa" and "switch" not in c and size > c["depth"] + 1
                     and c["predicted_tokens_per_second"] > plain_pred):
                 dyn = {"top_k": c["top_k"], "depth": c["depth"], "total_tokens": size}
                 measured.append(measure(_choice(dyn, c, datastore)))
@@ -541,6 +657,8 @@ def pick_winner(measured: list[dict]) -> dict:
 def _choice(tree, entry, datastore=None) -> object:
     """A sizing choice as `generate(tree=...)` takes it: the tree, or the tree with its grafts
     (sized with a datastore, the choice always says how many datastore tokens, 0 included)."""
+    if "switch" in entry:
+        return entry["switch"]
     if datastore is not None:
         return {"base": tree, "ngram": entry["ngram"], "ds": entry["ds"]}
     return {"base": tree, "ngram": entry["ngram"]} if entry["ngram"] else tree
@@ -568,15 +686,23 @@ def tree_tokens(tree) -> int:
     """Tree tokens (nodes incl. the root) of a sizing choice."""
     if tree == PLAIN:
         return 1
+    if isinstance(tree, dict) and "switch" in tree:
+        arm = tree["switch"][0]
+        return len(arm["base"]) + 1 + int(arm["ngram"])
     if isinstance(tree, dict) and "ngram" in tree:
         return tree_tokens(tree["base"]) + int(tree["ngram"]) + int(tree.get("ds", 0))
     return tree["total_tokens"] if isinstance(tree, dict) else len(tree) + 1
 
 
 def tree_name(tree) -> str:
-    """Short name of a sizing choice: plain, dynamic:K,D,N or 'static N nodes', +ngram:G."""
+    """Short name of a sizing choice: plain, dynamic:K,D,N or 'static N nodes', +ngram:G, or
+    'switch N: ARM | ARM ...' (each arm a head tree of its nodes, +ngram:G)."""
     if tree == PLAIN:
         return "plain"
+    if isinstance(tree, dict) and "switch" in tree:
+        arms = " | ".join((f"head {len(a['base']) + 1}" if a["base"] else "root")
+                          + (f"+ngram:{a['ngram']}" if a["ngram"] else "") for a in tree["switch"])
+        return f"switch {tree_tokens(tree)}: {arms}"
     if isinstance(tree, dict) and "ngram" in tree:
         return (tree_name(tree["base"]) + (f"+ngram:{tree['ngram']}" if tree["ngram"] else "")
                 + (f"+ds:{tree['ds']}" if tree.get("ds") else ""))

@@ -233,3 +233,24 @@ def test_a_predicted_near_tie_of_higher_tau_is_measured_too():
     assert contenders([deeper, small, deep]) == [small, deep]  # 1% apart: both run; 12%: not
     assert contenders([small, deeper]) == [small]
     assert contenders([deep, c(4, 1.5, 64.0)]) == [deep]  # the fastest already has the higher tau
+
+
+def test_switch_policy_and_tau_on_a_hand_counted_profile(monkeypatch):
+    """Where the context repeats (match length 5) the root + 2 n-gram tokens arm wins, where it
+    does not (0) the head's tree; lengths with no positions take their pooled neighbours'."""
+    from spec_jax import sizing
+
+    monkeypatch.setattr(sizing, "SWITCH_MIN_POSITIONS", 1)
+    ranks = [np.array([[-1, -1], [-1, -1], [-1, -1], [0, 0], [-1, -1], [-1, -1]])]
+    ngram = [np.array([2, 2, 2, 0, 2, 2])]
+    match = [np.array([5, 5, 5, 0, 5, 5])]
+    trees = [{"size": 2, "paths": [[0]]}, {"size": 3, "paths": [[0], [0, 0]]}]
+    sw = sizing.switch_trees(ranks, trees, ngram, match, 3)
+    assert sw["switch"] == [{"base": [[0], [0, 0]], "ngram": 0}, {"base": [], "ngram": 2}]
+    assert sw["policy"] == [0, 0, 0, 1, 1, 1]
+    # steps: n-gram arm accepts 2 (roots 0), head accepts 2 (root 3): 6 tokens in 2 calls
+    assert sw["tau"] == pytest.approx(3.0)
+    assert sizing.replay_tau(ranks, [[0], [0, 0]]) == pytest.approx(6 / 4)
+    assert sizing.replay_tau(ranks, [], ngram, graft=2) == pytest.approx(7 / 3)
+    assert sizing.tree_tokens(sw) == 3
+    assert sizing.tree_name(sw) == "switch 3: head 3 | root+ngram:2"

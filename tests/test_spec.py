@@ -7,11 +7,14 @@ import spec_jax
 from spec_jax.errors import SpecJaxError
 from tests.conftest import tiny_config
 
+# a switch of three 4-token arms: the head's tree, a chain + 2 n-gram tokens, the root + 3
+SWITCH = {"switch": [{"base": [[0], [1], [0, 0]], "ngram": 0}, {"base": [[0]], "ngram": 2},
+                     {"base": [], "ngram": 3}], "policy": [0, 1, 2]}
 SMALL_TREES = {
-    "eagle": ["dynamic:3,3,8", "chain:2", "mc_sim_7b_63", "dynamic:3,3,8+ngram:3"],
+    "eagle": ["dynamic:3,3,8", "chain:2", "mc_sim_7b_63", "dynamic:3,3,8+ngram:3", SWITCH],
     "eagle3": ["dynamic:2,4,7", "[[0],[1],[0,0],[1,0],[0,1],[0,0,0]]"],
     "mtp": [None, "[[0],[1],[0,0],[0,0,0],[0,0,1]]"],
-    "medusa": ["[[0],[1],[0,0],[1,0],[0,1],[0,0,0]]", "chain:2", "chain:2+ngram:4"],
+    "medusa": ["[[0],[1],[0,0],[1,0],[0,1],[0,0,0]]", "chain:2", "chain:2+ngram:4", SWITCH],
 }
 
 
@@ -175,3 +178,36 @@ def test_a_one_token_tree_means_plain_decoding(tiny_target, heads):
                           stop_at_eos=False)
     assert r.token_ids == spec_jax.generate(tiny_target, [1, 2, 3], 8, stop_at_eos=False).token_ids
     assert r.stats["method"] == "none"
+
+
+def test_switch_rows_take_their_own_arms(tiny_target, heads):
+    """In one batch a row whose context repeats takes an n-gram arm, a row whose context does
+    not takes the head's tree, and both still decode exactly as plain greedy decoding."""
+    import jax.numpy as jnp
+
+    from spec_jax.heads.ngram import NgramState
+
+    d = heads["eagle"].drafter(SWITCH)
+    hist = jnp.asarray([[1, 2, 3, 4, 5, 6, 0, 0], [1, 2, 3, 9, 1, 2, 3, 0]], jnp.int32)
+    arm, chain, valid = d.choice((None, NgramState(hist=hist, hlen=jnp.asarray([6, 7]))))
+    np.testing.assert_array_equal(arm, [0, 2])  # no earlier match; "1 2 3" matched (length 3)
+    np.testing.assert_array_equal(chain[1][:1], [9])
+    assert d.tree_size == 4 and d.method == "eagle+switch"
+    prompts = [list(range(10, 40)), [5, 6, 7, 8] * 8]
+    batch = spec_jax.generate_batch(tiny_target, prompts, 20, draft=heads["eagle"], tree=SWITCH,
+                                    stop_at_eos=False)
+    for p, r in zip(prompts, batch):
+        assert r.token_ids == spec_jax.generate(tiny_target, p, 20, stop_at_eos=False).token_ids
+
+
+def test_a_malformed_switch_is_refused(heads):
+    arms = [{"base": [[0]], "ngram": 1}, {"base": [], "ngram": 1}]
+    with pytest.raises(SpecJaxError, match="differ in tree tokens"):
+        heads["eagle"].drafter({"switch": arms, "policy": [0, 1]})
+    with pytest.raises(SpecJaxError, match="policy"):
+        heads["eagle"].drafter({"switch": arms[:1], "policy": [0, 1]})
+    import json
+
+    assert heads["eagle"].drafter(json.dumps(SWITCH)).tree_size == 4  # as the CLI's --tree passes it
+    with pytest.raises(SpecJaxError, match="as JSON"):
+        heads["eagle"].drafter('{"switch": [oops')

@@ -75,6 +75,14 @@ class FeatureDrafter(Drafter):
     def with_attn_impl(self, impl):
         return dataclasses.replace(self, attn_impl=impl)
 
+    def proposing(self, tree: StaticTree):
+        """This drafter proposing the static `tree` from the same state (spec_jax.heads.switch):
+        top_k is kept, so the state's root candidates must cover every rank the tree uses."""
+        if int(tree.arrays()[2].max()) + 1 > self.top_k:
+            raise ValueError(f"tree ranks exceed top_k {self.top_k}")
+        return dataclasses.replace(self, static_tree=tree, depth=tree.max_depth,
+                                   total_tokens=tree.size)
+
     @property
     def tree_size(self) -> int:
         return self.total_tokens

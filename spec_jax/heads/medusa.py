@@ -70,6 +70,10 @@ class MedusaDrafter(Drafter):
     def max_children(self):
         return self.tree.arrays()[4].shape[1]
 
+    def proposing(self, tree: StaticTree):
+        """This drafter proposing the static `tree` (its state does not depend on the tree)."""
+        return dataclasses.replace(self, tree=tree)
+
     def init_state(self, dparams, tparams, tcfg, batch, num_slots):
         return MedusaState(hidden=jnp.zeros((batch, tcfg.hidden_size), jnp.dtype(tcfg.dtype)))
 

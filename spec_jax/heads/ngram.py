@@ -62,14 +62,16 @@ class NgramDrafter(Drafter):
         _, next_tok, valid = accepted_chunk(ctx)
         return self._append(state, next_tok, jnp.sum(valid, axis=1).astype(jnp.int32))
 
-    def continuation(self, state: NgramState):
-        """The proposed chain: (tokens [B, depth], valid [B, depth]; valid is a prefix per row)."""
+    def search(self, state: NgramState):
+        """Where the context's suffix last occurred: (end [B] of the latest earlier occurrence of
+        the longest matching suffix, -1 if none; that suffix's length [B], 0..max_ngram)."""
         hist, hlen = state.hist, state.hlen
         b, s = hist.shape
         i = jnp.arange(s)[None, :]  # candidate end of an earlier match
         rows = jnp.arange(b)[:, None]
         match = jnp.ones((b, s), bool)
         best = jnp.full((b,), -1, jnp.int32)
+        length = jnp.zeros((b,), jnp.int32)
         for n in range(1, self.max_ngram + 1):
             off = n - 1
             suffix_tok = hist[rows[:, 0], jnp.maximum(hlen - 1 - off, 0)]  # [B]
@@ -78,10 +80,26 @@ class NgramDrafter(Drafter):
             ok = match & (i <= hlen[:, None] - 2) & (hlen[:, None] - 1 - off >= 0)
             cand = jnp.max(jnp.where(ok, i, -1), axis=1)
             best = jnp.where(cand >= 0, cand, best)  # longer n overrides shorter
+            length = jnp.where(cand >= 0, n, length)
+        return best, length
+
+    def continuation(self, state: NgramState):
+        """The proposed chain: (tokens [B, depth], valid [B, depth]; valid is a prefix per row)."""
+        return self._chain(state, self.search(state)[0])
+
+    def _chain(self, state: NgramState, best):
+        hist, hlen = state.hist, state.hlen
+        rows = jnp.arange(hist.shape[0])[:, None]
         j = jnp.arange(1, self.depth + 1)[None, :]
         src = best[:, None] + j
         valid = (best[:, None] >= 0) & (src < hlen[:, None])
-        return jnp.where(valid, hist[rows, jnp.clip(src, 0, s - 1)], 0).astype(jnp.int32), valid
+        return jnp.where(valid, hist[rows, jnp.clip(src, 0, hist.shape[1] - 1)], 0).astype(jnp.int32), valid
+
+    def match(self, state: NgramState):
+        """(chain tokens [B, depth], valid [B, depth], length [B] of the suffix it continues)."""
+        best, length = self.search(state)
+        tok, valid = self._chain(state, best)
+        return tok, valid, length
 
     def propose(self, dparams, tparams, tcfg, state: NgramState, root, key):
         tok, _ = self.continuation(state)

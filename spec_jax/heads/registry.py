@@ -80,10 +80,15 @@ class DraftHeads:
 
     def drafter(self, tree=None):
         """The Drafter for these heads; `tree` overrides the tree (see spec_jax.tree.parse_tree),
-        with an n-gram chain grafted on for `TREE+ngram:N` (see spec_jax.heads.graft)."""
+        with an n-gram chain grafted on for `TREE+ngram:N` (see spec_jax.heads.graft); a switch
+        (dict or JSON, see spec_jax.heads.switch) picks its arm per row and step."""
         from spec_jax.heads.base import Drafter
         from spec_jax.heads.graft import split_graft, with_graft
+        from spec_jax.heads.switch import as_switch, switch_drafter
 
+        switch = as_switch(tree)
+        if switch is not None:
+            return switch_drafter(self._drafter, switch)
         tree, graft_n = split_graft(tree)
         d = Drafter() if tree == "plain" else self._drafter(tree)
         return with_graft(d, graft_n)
