@@ -22,6 +22,7 @@ import numpy as np
 
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.graft import split_datastore, uses_datastore
+from spec_jax.heads.switch import as_switch
 from spec_jax.sizing import PLAIN, size_tree, tree_name, tree_tokens, verify_latency
 
 
@@ -228,7 +229,8 @@ def bench_cli(a):
             drafts[spec] = ("ngram", tree or None)
             continue
         heads = spec_jax.load_draft(name)
-        label = f"{heads.method}" + (f"@{tree}" if tree else "")
+        switch = as_switch(tree)
+        label = f"{heads.method}" + (f"@{tree_name(switch) if switch else tree}" if tree else "")
         fresh = bool(a.calibrate or a.calibrate_on) and name not in sized
         base, ds_n = split_datastore(tree or None)
         if base == "auto" or fresh:

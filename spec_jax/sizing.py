@@ -696,13 +696,13 @@ def tree_tokens(tree) -> int:
 
 def tree_name(tree) -> str:
     """Short name of a sizing choice: plain, dynamic:K,D,N or 'static N nodes', +ngram:G, or
-    'switch N: ARM | ARM ...' (each arm a head tree of its nodes, +ngram:G)."""
+    'switch N (ARM / ARM ...)' (each arm a head tree of its nodes, +ngram:G)."""
     if tree == PLAIN:
         return "plain"
     if isinstance(tree, dict) and "switch" in tree:
-        arms = " | ".join((f"head {len(a['base']) + 1}" if a["base"] else "root")
+        arms = " / ".join((f"head {len(a['base']) + 1}" if a["base"] else "root")
                           + (f"+ngram:{a['ngram']}" if a["ngram"] else "") for a in tree["switch"])
-        return f"switch {tree_tokens(tree)}: {arms}"
+        return f"switch {tree_tokens(tree)} ({arms})"
     if isinstance(tree, dict) and "ngram" in tree:
         return (tree_name(tree["base"]) + (f"+ngram:{tree['ngram']}" if tree["ngram"] else "")
                 + (f"+ds:{tree['ds']}" if tree.get("ds") else ""))

@@ -253,4 +253,4 @@ def test_switch_policy_and_tau_on_a_hand_counted_profile(monkeypatch):
     assert sizing.replay_tau(ranks, [[0], [0, 0]]) == pytest.approx(6 / 4)
     assert sizing.replay_tau(ranks, [], ngram, graft=2) == pytest.approx(7 / 3)
     assert sizing.tree_tokens(sw) == 3
-    assert sizing.tree_name(sw) == "switch 3: head 3 | root+ngram:2"
+    assert sizing.tree_name(sw) == "switch 3 (head 3 / root+ngram:2)"
