@@ -60,7 +60,7 @@ def test_draft_vocabulary_stays_lossless_and_proposes_only_its_tokens(tiny_targe
 
 
 @pytest.mark.parametrize("method,tree", [(m, t) for m, ts in SMALL_TREES.items() for t in ts]
-                         + [("ngram", None)])
+                         + [("ngram", None)], ids=lambda x: "switch" if isinstance(x, dict) else None)
 def test_greedy_speculative_equals_plain(tiny_target, heads, method, tree):
     draft = "ngram" if method == "ngram" else heads[method]
     for seed, plen in [(0, 1), (1, 9), (2, 70)]:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
-from spec_jax.heads.graft import graft
+from spec_jax.heads.graft import GraftDrafter, graft
 from spec_jax.heads.ngram import NgramDrafter
 from spec_jax.tree import StaticTree, Tree
 
@@ -114,17 +114,19 @@ class SwitchDrafter(Drafter):
         return dataclasses.replace(self, state_drafter=self.state_drafter.with_attn_impl(impl),
                                    arms=tuple((m.with_attn_impl(impl), g) for m, g in self.arms))
 
+    @property
+    def _graft(self) -> GraftDrafter:
+        """The state's keeper: the heads' state and the token history, as a graft keeps them."""
+        return GraftDrafter(main=self.state_drafter, ngram=self.ngram)
+
     def init_state(self, dparams, tparams, tcfg, batch, num_slots):
-        return (self.state_drafter.init_state(dparams, tparams, tcfg, batch, num_slots),
-                self.ngram.init_state((), tparams, tcfg, batch, num_slots))
+        return self._graft.init_state(dparams, tparams, tcfg, batch, num_slots)
 
     def after_prefill(self, dparams, tparams, tcfg, state, ctx: PrefillContext):
-        return (self.state_drafter.after_prefill(dparams, tparams, tcfg, state[0], ctx),
-                self.ngram.after_prefill((), tparams, tcfg, state[1], ctx))
+        return self._graft.after_prefill(dparams, tparams, tcfg, state, ctx)
 
     def after_verify(self, dparams, tparams, tcfg, state, ctx: VerifyContext):
-        return (self.state_drafter.after_verify(dparams, tparams, tcfg, state[0], ctx),
-                self.ngram.after_verify((), tparams, tcfg, state[1], ctx))
+        return self._graft.after_verify(dparams, tparams, tcfg, state, ctx)
 
     def choice(self, state):
         """Arm per row [B] and the n-gram chain ([B, G] tokens, valid) it may graft."""
