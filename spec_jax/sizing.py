@@ -243,12 +243,10 @@ def _replay(accepted: list[np.ndarray]) -> float:
     return emitted / steps if steps else 1.0
 
 
-def replay_tau(profile: list[np.ndarray], paths, ngram=None, graft: int = 0, ds=None,
-               ds_graft: int = 0) -> float:
-    """Accepted tokens per target call of greedy decoding with the static tree `paths`, replayed
-    over the rank profile (see `rank_profile`): exact where teacher forcing matches inference.
-    With `graft` > 0, a `graft`-token n-gram chain is grafted on (`ngram`: see `chain_profile`),
-    with `ds_graft` > 0 a datastore chain (`ds`); the longest accepted of tree and chains wins."""
+def _accepted(profile: list[np.ndarray], paths, ngram=None, graft: int = 0, ds=None,
+              ds_graft: int = 0) -> list[np.ndarray]:
+    """Draft tokens the static tree `paths` (with its grafted chains) accepts at each position of
+    the profile, per sequence: the longest accepted of tree and chains."""
     tree = {tuple(p) for p in paths}
     accepted = []
     for k, ranks in enumerate(profile):
@@ -258,7 +256,16 @@ def replay_tau(profile: list[np.ndarray], paths, ngram=None, graft: int = 0, ds=
         if ds_graft:
             a = np.maximum(a, np.minimum(ds[k], ds_graft))
         accepted.append(a)
-    return _replay(accepted)
+    return accepted
+
+
+def replay_tau(profile: list[np.ndarray], paths, ngram=None, graft: int = 0, ds=None,
+               ds_graft: int = 0) -> float:
+    """Accepted tokens per target call of greedy decoding with the static tree `paths`, replayed
+    over the rank profile (see `rank_profile`): exact where teacher forcing matches inference.
+    With `graft` > 0, a `graft`-token n-gram chain is grafted on (`ngram`: see `chain_profile`),
+    with `ds_graft` > 0 a datastore chain (`ds`); the longest accepted of tree and chains wins."""
+    return _replay(_accepted(profile, paths, ngram, graft, ds, ds_graft))
 
 
 def chain_profile(seqs, plens, profile, depth: int, continuation=None) -> list[np.ndarray]:
@@ -328,11 +335,7 @@ def switch_trees(profile, trees: list[dict], ngram, match, size: int) -> dict | 
             and (g == 0 or g == size - 1 or g % 2 == 0)]
     if len(arms) < 2:
         return None
-    acc = []  # acc[arm][k]: accepted tokens at each position of sequence k
-    for paths, g in arms:
-        tree = {tuple(p) for p in paths}
-        acc.append([np.maximum(np.array([_head_accepted(r, tree) for r in ranks], np.int64),
-                               np.minimum(ngram[k], g)) for k, ranks in enumerate(profile)])
+    acc = [_accepted(profile, paths, ngram, g) for paths, g in arms]  # [arm][k][position]
     m_all = np.concatenate(match) if match else np.zeros((0,), np.int32)
     if len(m_all) == 0:
         return None
