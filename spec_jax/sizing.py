@@ -362,11 +362,12 @@ def switch_trees(profile, trees: list[dict], ngram, match, size: int) -> dict | 
             "top_k": 1 + max((max(p) for p in paths), default=0)}
 
 
-def best_trees(profile: list[np.ndarray], sizes=TREE_SIZES) -> list[dict]:
+def best_trees(profile: list[np.ndarray], sizes=TREE_SIZES, max_depth: int | None = None) -> list[dict]:
     """For each tree size n (nodes incl. the root): the static tree of the n - 1 rank prefixes
-    accepted most often in the profile, and its tau replayed over the profile.
-    Returns [{"size", "paths", "tau"}] for the sizes the profile has enough prefixes for."""
-    counts: Counter = Counter(p for ranks in profile for row in ranks for p in _prefixes(row))
+    (at most `max_depth` deep) accepted most often in the profile, and its tau replayed over the
+    profile. Returns [{"size", "paths", "tau"}] for the sizes the profile has enough prefixes for."""
+    counts: Counter = Counter(p for ranks in profile for row in ranks for p in _prefixes(row)
+                              if max_depth is None or len(p) <= max_depth)
     # a prefix is at least as frequent as its extensions; shorter first on ties keeps it a tree
     order = sorted(counts, key=lambda p: (-counts[p], len(p), p))
     out = []
@@ -553,11 +554,16 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
                               "predicted_tokens_per_second": batch * tau / step, "paths": t["paths"]})
     if trees and datastore is None:
         match = match_profile(seqs, plens, ranks)
-        for size in SWITCH_SIZES:
-            sw = switch_trees(ranks, trees, ngram, match, size) if size in verify else None
-            if sw is None:
+        # arms of every head-tree depth drafted: a shallower head tree accepts less than the
+        # best one of its size but spares the draft steps below it (2.2 ms each here)
+        switches = [switch_trees(ranks, best_trees(ranks, sizes, max_depth=d), ngram, match, size)
+                    for size in SWITCH_SIZES if size in verify for d in sorted(draft)]
+        for sw in switches:
+            if sw is None or any(c.get("switch", {}).get("switch") == sw["switch"] for c in curve):
                 continue
-            step = _interp(verify, size) + draft[sw["depth"]] + graft_cost
+            size = tree_tokens(sw)
+            drafted = min((d for d in draft if d >= sw["depth"]), default=max(draft))
+            step = _interp(verify, size) + draft[drafted] + graft_cost
             arms = sw["switch"]
             curve.append({"size": size, "depth": sw["depth"], "top_k": sw["top_k"],
                           "ngram": max(a["ngram"] for a in arms), "ds": 0, "tau": sw["tau"],
@@ -699,11 +705,12 @@ def tree_tokens(tree) -> int:
 
 def tree_name(tree) -> str:
     """Short name of a sizing choice: plain, dynamic:K,D,N or 'static N nodes', +ngram:G, or
-    'switch N (ARM / ARM ...)' (each arm a head tree of its nodes, +ngram:G)."""
+    'switch N (ARM / ARM ...)' (each arm a head tree of its nodes and depth, +ngram:G)."""
     if tree == PLAIN:
         return "plain"
     if isinstance(tree, dict) and "switch" in tree:
-        arms = " / ".join((f"head {len(a['base']) + 1}" if a["base"] else "root")
+        arms = " / ".join((f"head {len(a['base']) + 1} d{max(len(p) for p in a['base'])}"
+                           if a["base"] else "root")
                           + (f"+ngram:{a['ngram']}" if a["ngram"] else "") for a in tree["switch"])
         return f"switch {tree_tokens(tree)} ({arms})"
     if isinstance(tree, dict) and "ngram" in tree:

@@ -48,27 +48,45 @@ def sample_token(logits, key, greedy: bool, temperature, top_p):
     return jax.random.categorical(key, jnp.log(p), axis=-1).astype(jnp.int32)
 
 
+def greedy_walk(best, tree: Tree, max_depth: int) -> Verdict:
+    """Greedy verification without a walk: best [B, T] is the target's argmax at every node.
+
+    A node is accepted when it is listed among its parent's children, its token is its parent's
+    argmax, and the same holds for all its ancestors (tree.mask); the path ends at the deepest
+    accepted node. Sibling tokens are distinct in drafted trees, so the accepted nodes form one
+    chain; where a graft repeats a token, the deeper of the equal paths is taken (the tokens,
+    hence the output, are the same)."""
+    b, t = best.shape
+    rows = jnp.arange(b)
+    listed = jnp.zeros((b, t), bool).at[rows[:, None, None], jnp.maximum(tree.children, 0)].max(
+        tree.children >= 0).at[:, 0].set(True)
+    parent_best = jnp.take_along_axis(best, jnp.maximum(tree.parent, 0), axis=1)
+    ok = listed & ((tree.tokens == parent_best) | (jnp.arange(t) == 0))  # [B, T]
+    accepted = jnp.all(~tree.mask | ok[:, None, :], axis=-1)  # [B, T] the node and its ancestors
+    cur = jnp.argmax(jnp.where(accepted, tree.depth, -1), axis=1).astype(jnp.int32)
+    on_path = tree.mask[rows, cur]  # [B, T] ancestors-or-self of the deepest accepted node
+    at_depth = on_path[:, None, :] & (tree.depth[:, None, :] == jnp.arange(max_depth + 1)[None, :, None])
+    path = jnp.where(jnp.any(at_depth, -1), jnp.argmax(at_depth, -1), -1).astype(jnp.int32)
+    return Verdict(path=path, n_accepted=tree.depth[rows, cur] + 1, bonus=best[rows, cur])
+
+
 def verify(logits, tree: Tree, key, *, greedy: bool, max_depth: int, temperature=1.0,
            top_p=1.0, accept_rule: str = "exact") -> Verdict:
     """Walk the tree from the root. logits [B, T, V] are the target's at every node.
 
     accept_rule="broken" accepts any child whose target probability exceeds 0 (a deliberately
     wrong rule that tests use to show that the losslessness test has teeth)."""
+    if greedy:
+        return greedy_walk(argmax(logits), tree, max_depth)
     b, t, v = logits.shape
     k = tree.children.shape[-1]
     rows = jnp.arange(b)
-    if greedy:
-        best = argmax(logits)  # [B, T]
-    else:
-        probs = target_probs(logits, temperature, top_p)  # [B, T, V]
+    probs = target_probs(logits, temperature, top_p)  # [B, T, V]
     keys = jax.random.split(key, max_depth * k + 1)
-
-    def at_node(node):
-        return probs[rows, node] if not greedy else None
 
     cur = jnp.zeros((b,), jnp.int32)
     alive = jnp.ones((b,), bool)
-    p = at_node(cur)
+    p = probs[rows, cur]
     path = jnp.full((b, max_depth + 1), -1, jnp.int32).at[:, 0].set(0)
     n_acc = jnp.ones((b,), jnp.int32)
     for d in range(max_depth):
@@ -78,27 +96,20 @@ def verify(logits, tree: Tree, key, *, greedy: bool, max_depth: int, temperature
             child = tree.children[rows, cur, c]  # [B]
             has = alive & ~accepted & (child >= 0)
             tok = tree.tokens[rows, jnp.maximum(child, 0)]
-            if greedy:
-                ok = has & (tok == best[rows, cur])
+            px = p[rows, tok]
+            u = jax.random.uniform(keys[d * k + c], (b,))
+            if accept_rule == "broken":
+                ok = has & (px > 0)
             else:
-                px = p[rows, tok]
-                u = jax.random.uniform(keys[d * k + c], (b,))
-                if accept_rule == "broken":
-                    ok = has & (px > 0)
-                else:
-                    ok = has & (u * jnp.sum(p, axis=-1) < px)
-                # rejected: remove x from the residual
-                p = jnp.where((has & ~ok)[:, None], p.at[rows, tok].set(0.0), p)
+                ok = has & (u * jnp.sum(p, axis=-1) < px)
+            # rejected: remove x from the residual
+            p = jnp.where((has & ~ok)[:, None], p.at[rows, tok].set(0.0), p)
             nxt = jnp.where(ok, child, nxt)
             accepted = accepted | ok
         cur = nxt
-        if not greedy:
-            p = jnp.where(accepted[:, None], probs[rows, cur], p)
+        p = jnp.where(accepted[:, None], probs[rows, cur], p)
         path = path.at[:, d + 1].set(jnp.where(accepted, cur, -1))
         n_acc = n_acc + accepted.astype(jnp.int32)
         alive = alive & accepted
-    if greedy:
-        bonus = best[rows, cur]
-    else:
-        bonus = jax.random.categorical(keys[-1], jnp.log(p), axis=-1).astype(jnp.int32)
+    bonus = jax.random.categorical(keys[-1], jnp.log(p), axis=-1).astype(jnp.int32)
     return Verdict(path=path, n_accepted=n_acc, bonus=bonus)

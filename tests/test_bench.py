@@ -253,4 +253,18 @@ def test_switch_policy_and_tau_on_a_hand_counted_profile(monkeypatch):
     assert sizing.replay_tau(ranks, [[0], [0, 0]]) == pytest.approx(6 / 4)
     assert sizing.replay_tau(ranks, [], ngram, graft=2) == pytest.approx(7 / 3)
     assert sizing.tree_tokens(sw) == 3
-    assert sizing.tree_name(sw) == "switch 3 (head 3 / root+ngram:2)"
+    assert sizing.tree_name(sw) == "switch 3 (head 3 d2 / root+ngram:2)"
+
+
+def test_best_trees_within_a_depth_cap():
+    """A switch's head arm may be kept shallow (fewer draft steps): the best trees of each size
+    with no path deeper than the cap, ranked as the uncapped ones are."""
+    from spec_jax.sizing import best_trees
+
+    ranks = [np.array([[0, 0, 0], [0, 0, -1], [1, -1, -1], [0, 1, 0], [0, 0, 0]])]
+    deep = {t["size"]: t["paths"] for t in best_trees(ranks, (2, 3, 4, 5))}
+    flat = {t["size"]: t["paths"] for t in best_trees(ranks, (2, 3, 4, 5), max_depth=1)}
+    assert deep[4] == [[0], [0, 0], [0, 0, 0]]
+    assert flat == {2: [[0]], 3: [[0], [1]]}  # two rank-prefixes of depth 1 only
+    two = {t["size"]: t["paths"] for t in best_trees(ranks, (2, 3, 4, 5), max_depth=2)}
+    assert two[4] == [[0], [0, 0], [1]] and max(len(p) for p in two[5]) == 2

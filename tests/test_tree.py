@@ -103,3 +103,55 @@ def test_graft_follows_the_tree_then_branches_off():
     assert split_graft("auto+ngram:2") == ("auto", 2) and split_graft("+ngram:3") == (None, 3)
     with pytest.raises(SpecJaxError, match="ngram:N"):
         split_graft("chain:3+ngram:x")
+
+
+def test_greedy_walk_accepts_what_a_node_by_node_walk_does():
+    """The vectorised greedy verification against the walk it replaces: from the root, take the
+    first child (in try order) whose token is the target's argmax, until none is. Random trees of
+    12 nodes (some unused, as a graft leaves them: parent -1) with distinct sibling tokens."""
+    from spec_jax.verify import greedy_walk
+    from spec_jax.tree import Tree
+
+    rng = np.random.default_rng(0)
+    b, t, k, vocab, max_depth = 256, 12, 4, 6, 5
+    parent = np.full((b, t), -1, np.int32)
+    depth = np.zeros((b, t), np.int32)
+    tokens = rng.integers(0, vocab, (b, t)).astype(np.int32)
+    for r in range(b):
+        kids = {0: []}
+        for n in range(1, t):
+            free = [p for p in kids if len(kids[p]) < k and depth[r, p] < max_depth]
+            if rng.random() < 0.15 or not free:
+                continue
+            p = int(rng.choice(free))
+            taken = {int(tokens[r, c]) for c in kids[p]}
+            tokens[r, n] = rng.choice([x for x in range(vocab) if x not in taken])
+            parent[r, n], depth[r, n] = p, depth[r, p] + 1
+            kids[p].append(n)
+            kids[n] = []
+    best = rng.integers(0, vocab, (b, t)).astype(np.int32)
+    for r in range(b):  # the argmax is often one of the children, so paths go deep
+        for n in range(t):
+            cs = np.nonzero(parent[r] == n)[0]
+            if n > 0 and parent[r, n] < 0 or len(cs) == 0:
+                continue
+            if rng.random() < 0.7:
+                best[r, n] = tokens[r, rng.choice(cs)]
+    pj = jnp.asarray(parent)
+    tree = Tree(tokens=jnp.asarray(tokens), parent=pj, depth=jnp.asarray(depth),
+                mask=ancestor_mask(pj, max_depth), children=children_table(pj, k))
+    got = greedy_walk(jnp.asarray(best), tree, max_depth)
+    children = np.asarray(tree.children)
+    deep = 0
+    for r in range(b):
+        cur, path = 0, [0]
+        while True:
+            nxt = [c for c in children[r, cur] if c >= 0 and tokens[r, c] == best[r, cur]]
+            if not nxt:
+                break
+            cur = int(nxt[0])
+            path.append(cur)
+        deep = max(deep, len(path))
+        np.testing.assert_array_equal(np.asarray(got.path[r]), path + [-1] * (max_depth + 1 - len(path)))
+        assert int(got.n_accepted[r]) == len(path) and int(got.bonus[r]) == best[r, cur]
+    assert deep >= 4  # the test reaches deep paths
