@@ -13,6 +13,7 @@ from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter
 from spec_jax.step import FINISH_LENGTH, FINISH_STOP, LoopSettings, compiled_loop, loop_precision
 from spec_jax.target import Target
+from spec_jax.tree import tree_object
 
 FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
 
@@ -41,7 +42,7 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1, attn_impl: str 
     from spec_jax.heads.ngram import NgramDrafter
     from spec_jax.heads.registry import DraftHeads
 
-    given = tree
+    given = tree = tree_object(tree)
     tree, ds_n = split_datastore(tree)
     if ds_n and datastore is None:
         raise SpecJaxError(f"tree {given!r} drafts from a datastore: pass datastore="

@@ -48,7 +48,11 @@ class StaticTree:
 
     @classmethod
     def from_paths(cls, paths: Sequence[Sequence[int]]) -> "StaticTree":
-        ps = [tuple(int(r) for r in p) for p in paths]
+        try:
+            ps = [tuple(int(r) for r in p) for p in paths]
+        except (TypeError, ValueError):
+            raise SpecJaxError(f"cannot read tree paths {paths!r}: write a list of rank lists such "
+                               "as [[0], [1], [0, 0]]") from None
         if not ps:
             raise SpecJaxError("a tree needs at least one path")
         if any(len(p) == 0 or min(p) < 0 for p in ps):
@@ -150,6 +154,20 @@ def static_tree_batch(tree: StaticTree, tokens, batch: int) -> Tree:
     bc = lambda a: jnp.broadcast_to(jnp.asarray(a), (batch,) + a.shape)
     return Tree(tokens=tokens, parent=bc(parent), depth=bc(depth), mask=bc(mask),
                 children=bc(children))
+
+
+def tree_object(spec):
+    """A tree option written as JSON object text (a graft {"base": ..., "ngram": N} or a switch, as
+    the CLI's --tree and --drafts pass them) -> that dict; anything else unchanged."""
+    import json
+
+    if not (isinstance(spec, str) and spec.lstrip().startswith("{")):
+        return spec
+    try:
+        return json.loads(spec)
+    except json.JSONDecodeError:
+        raise SpecJaxError(f"cannot read tree {spec!r} as JSON: write e.g. "
+                           '{"base": [[0], [1], [0, 0]], "ngram": 4}') from None
 
 
 def parse_tree(spec):

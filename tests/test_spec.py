@@ -211,3 +211,14 @@ def test_a_malformed_switch_is_refused(heads):
     assert heads["eagle"].drafter(json.dumps(SWITCH)).tree_size == 4  # as the CLI's --tree passes it
     with pytest.raises(SpecJaxError, match="as JSON"):
         heads["eagle"].drafter('{"switch": [oops')
+
+
+def test_a_graft_written_as_json_text_drafts_as_its_dict(tiny_target, heads):
+    """--tree and --drafts pass sizing choices such as {"base": ..., "ngram": 4} as JSON text."""
+    prompt = list(np.tile(np.arange(5), 8))
+    kw = dict(draft=heads["eagle"], stop_at_eos=False)
+    as_dict = spec_jax.generate(tiny_target, prompt, 12, tree={"base": [[0], [1]], "ngram": 3}, **kw)
+    as_text = spec_jax.generate(tiny_target, prompt, 12, tree='{"base": [[0], [1]], "ngram": 3}', **kw)
+    assert as_text.token_ids == as_dict.token_ids
+    assert as_text.stats["acceptance_histogram"] == as_dict.stats["acceptance_histogram"]
+    assert len(as_text.stats["acceptance_histogram"]) == 4  # 0..3 accepted: the graft is on

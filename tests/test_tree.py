@@ -6,7 +6,7 @@ from hypothesis import given, settings, strategies as st
 
 from spec_jax.errors import SpecJaxError
 from spec_jax.tree import (MC_SIM_7B_63, MEDUSA_DEFAULT, StaticTree, ancestor_mask,
-                           children_table, parse_tree)
+                           children_table, parse_tree, tree_object)
 
 
 @st.composite
@@ -75,6 +75,12 @@ def test_parse_tree_options_and_errors():
         StaticTree.from_paths([[0, 1]])
     with pytest.raises(SpecJaxError, match="cannot read tree"):
         parse_tree("bogus")
+    with pytest.raises(SpecJaxError, match="list of rank lists"):  # not a traceback
+        StaticTree.from_paths({"base": [[0]], "ngram": 4})
+    assert tree_object('{"base": [[0]], "ngram": 4}') == {"base": [[0]], "ngram": 4}
+    assert tree_object("[[0]]") == "[[0]]"
+    with pytest.raises(SpecJaxError, match="as JSON"):
+        tree_object('{"base": [[0]')
 
 
 def test_graft_follows_the_tree_then_branches_off():

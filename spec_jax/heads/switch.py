@@ -20,7 +20,6 @@ where PATHS is a static tree's paths ([] for the root alone).
 from __future__ import annotations
 
 import dataclasses
-import json
 
 import jax
 import jax.numpy as jnp
@@ -29,7 +28,7 @@ from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
 from spec_jax.heads.graft import GraftDrafter, graft
 from spec_jax.heads.ngram import NgramDrafter
-from spec_jax.tree import StaticTree, Tree
+from spec_jax.tree import StaticTree, Tree, tree_object
 
 
 FIX = ('write {"switch": [{"base": [[0], [1], [0, 0]], "ngram": 0}, {"base": [], "ngram": 3}], '
@@ -38,11 +37,7 @@ FIX = ('write {"switch": [{"base": [[0], [1], [0, 0]], "ngram": 0}, {"base": [],
 
 def as_switch(tree) -> dict | None:
     """The switch `tree` spells (a dict, or its JSON text as the CLI's --tree passes it), or None."""
-    if isinstance(tree, str) and tree.lstrip().startswith("{"):
-        try:
-            tree = json.loads(tree)
-        except json.JSONDecodeError:
-            raise SpecJaxError(f"cannot read tree {tree!r} as JSON: {FIX}") from None
+    tree = tree_object(tree)
     return tree if isinstance(tree, dict) and "switch" in tree else None
 
 
