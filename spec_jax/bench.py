@@ -93,6 +93,10 @@ def run_bench(target, drafts: dict[str, tuple[Any, Any]], prompt_sets: dict[str,
     import spec_jax
     from tqdm import tqdm
 
+    from spec_jax.generate import resolve_drafter
+
+    for draft, tree in drafts.values():  # a tree that cannot be drafted fails now, not minutes in
+        resolve_drafter(target, draft, tree, datastore=datastore if uses_datastore(tree) else None)
     runs = []
     items = [(s, p) for s, ps in prompt_sets.items() for p in ps]
     for pset, p in tqdm(items, disable=not progress, desc="bench"):

@@ -268,3 +268,17 @@ def test_best_trees_within_a_depth_cap():
     assert flat == {2: [[0]], 3: [[0], [1]]}  # two rank-prefixes of depth 1 only
     two = {t["size"]: t["paths"] for t in best_trees(ranks, (2, 3, 4, 5), max_depth=2)}
     assert two[4] == [[0], [0, 0], [1]] and max(len(p) for p in two[5]) == 2
+
+
+def test_a_bad_tree_fails_before_any_run(tiny_target, monkeypatch):
+    import spec_jax
+    from spec_jax.bench import run_bench
+    from spec_jax.errors import SpecJaxError
+
+    runs = []
+    monkeypatch.setattr(spec_jax, "generate", lambda *a, **k: runs.append(1))
+    heads = spec_jax.init_draft(tiny_target, "eagle")
+    drafts = {"plain": (None, None), "eagle@bad": (heads, '{"base": [[0], "x"], "ngram": 2}')}
+    with pytest.raises(SpecJaxError, match="list of rank lists"):
+        run_bench(tiny_target, drafts, {"s": []}, 8, progress=False)
+    assert runs == []
