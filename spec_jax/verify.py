@@ -72,7 +72,8 @@ def greedy_walk(best, tree: Tree, max_depth: int) -> Verdict:
 
 def verify(logits, tree: Tree, key, *, greedy: bool, max_depth: int, temperature=1.0,
            top_p=1.0, accept_rule: str = "exact") -> Verdict:
-    """Walk the tree from the root. logits [B, T, V] are the target's at every node.
+    """The accepted path and bonus token. logits [B, T, V] are the target's at every node.
+    Greedy: `greedy_walk`. Sampling: walk the tree from the root, as the module docstring says.
 
     accept_rule="broken" accepts any child whose target probability exceeds 0 (a deliberately
     wrong rule that tests use to show that the losslessness test has teeth)."""
