@@ -556,13 +556,14 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
         match = match_profile(seqs, plens, ranks)
         # arms of every head-tree depth drafted: a shallower head tree accepts less than the
         # best one of its size but spares the draft steps below it (0.3-0.8 ms each here)
-        switches = [switch_trees(ranks, best_trees(ranks, sizes, max_depth=d), ngram, match, size)
-                    for size in SWITCH_SIZES if size in verify for d in sorted(draft)]
+        capped = [best_trees(ranks, sizes, max_depth=d) for d in sorted(draft)]
+        switches = [switch_trees(ranks, ts, ngram, match, size)
+                    for size in SWITCH_SIZES if size in verify for ts in capped]
         for sw in switches:
             if sw is None or any(c.get("switch", {}).get("switch") == sw["switch"] for c in curve):
                 continue
             size = tree_tokens(sw)
-            drafted = min((d for d in draft if d >= sw["depth"]), default=max(draft))
+            drafted = min(d for d in draft if d >= sw["depth"])  # its arms stop at a drafted depth
             step = _interp(verify, size) + draft[drafted] + graft_cost
             arms = sw["switch"]
             curve.append({"size": size, "depth": sw["depth"], "top_k": sw["top_k"],
