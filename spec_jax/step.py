@@ -130,13 +130,16 @@ def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatu
     def body(s: LoopState):
         key, kd, kv = jax.random.split(s.key, 3)
         active = s.finish == FINISH_RUNNING
-        tree, dstate = drafter.propose(dparams, params, cfg, s.dstate, s.root, kd)
+        with jax.named_scope("draft"):
+            tree, dstate = drafter.propose(dparams, params, cfg, s.dstate, s.root, kd)
         root_pos = s.cache.length
         positions = root_pos[:, None] + tree.depth
-        fwd = forward(params, cfg, tree.tokens, positions, s.cache, tree.mask,
-                      aux_layers=drafter.aux_layers, attn_impl=settings.attn_impl)
-        verdict = verify(fwd.logits, tree, kv, greedy=greedy, max_depth=depth,
-                         temperature=temperature, top_p=top_p, accept_rule=settings.accept_rule)
+        with jax.named_scope("target"):
+            fwd = forward(params, cfg, tree.tokens, positions, s.cache, tree.mask,
+                          aux_layers=drafter.aux_layers, attn_impl=settings.attn_impl)
+        with jax.named_scope("verify"):
+            verdict = verify(fwd.logits, tree, kv, greedy=greedy, max_depth=depth,
+                             temperature=temperature, top_p=top_p, accept_rule=settings.accept_rule)
         n_acc = jnp.where(active, verdict.n_accepted, 0)
         # The commit writes the cache in place; tie it to the logits so XLA orders it after every
         # layer's cache read (plain decoding's commit does not depend on them otherwise, and XLA
@@ -153,9 +156,10 @@ def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatu
                                    settings.eos_ids, max_new, active)
         finish = jnp.where((finish == FINISH_RUNNING) & (cache.length + t_size > n_slots),
                            FINISH_LENGTH, finish)
-        dstate = drafter.after_verify(dparams, params, cfg, dstate, VerifyContext(
-            tree=tree, path=verdict.path, n_accepted=verdict.n_accepted, bonus=verdict.bonus,
-            hidden=fwd.hidden, aux_hidden=fwd.aux_hidden, root_pos=root_pos, active=active))
+        with jax.named_scope("draft_update"):
+            dstate = drafter.after_verify(dparams, params, cfg, dstate, VerifyContext(
+                tree=tree, path=verdict.path, n_accepted=verdict.n_accepted, bonus=verdict.bonus,
+                hidden=fwd.hidden, aux_hidden=fwd.aux_hidden, root_pos=root_pos, active=active))
         hist = s.hist.at[rows, verdict.n_accepted - 1].add(active.astype(jnp.int32))
         return LoopState(cache=cache, dstate=dstate, root=jnp.where(active, verdict.bonus, s.root),
                          out=out, n_out=n_out, finish=finish, calls=s.calls + 1, hist=hist, key=key)

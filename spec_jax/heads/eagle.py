@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.cpu_gemm import matmul
 from spec_jax.heads.feature import FeatureDrafter, draft_attention
-from spec_jax.models.llama import decoder_layer, embed, rope_inv_freq
+from spec_jax.models.llama import decoder_layer, embed, rope_table
 
 
 def init_layer(cfg, key, scale, in_dim=None, input_norm=True):
@@ -51,6 +51,6 @@ class EagleDrafter(FeatureDrafter):
             return draft_attention(q, cache_k, cache_v, cache_valid, cache_len, extra_k, extra_v,
                                    extra_mask, k, v, own_mask, self.attn_impl)
 
-        out, k, v = decoder_layer(dparams["layer"], tcfg, x, positions, rope_inv_freq(tcfg), attend,
-                                  input_norm=False)
+        rope = rope_table(positions, tcfg)
+        out, k, v = decoder_layer(dparams["layer"], tcfg, x, rope, attend, input_norm=False)
         return out, k, v

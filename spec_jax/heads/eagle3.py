@@ -14,7 +14,7 @@ from pallas_kernels.cpu_gemm import dot_f32, matmul
 from spec_jax.heads.eagle import init_layer
 from spec_jax.heads.feature import FeatureDrafter, draft_attention
 from spec_jax.heads.vocab import vocab_maps
-from spec_jax.models.llama import apply_rope, embed, rms_norm, rope_inv_freq
+from spec_jax.models.llama import apply_rope, embed, rms_norm, rope_table
 
 
 def init_params(cfg, key, scale=0.02, draft_vocab: int | None = None, d2t=None):
@@ -50,9 +50,9 @@ class Eagle3Drafter(FeatureDrafter):
         e = embed(tparams, tokens).astype(feat.dtype)
         x_in = jnp.concatenate([rms_norm(e, lp["input_norm"], tcfg.rms_norm_eps),
                                 rms_norm(feat, lp["hidden_norm"], tcfg.rms_norm_eps)], axis=-1)
-        inv = rope_inv_freq(tcfg)
-        q = apply_rope(matmul(x_in, lp["wq"]).reshape(b, t, tcfg.num_heads, d), positions, inv)
-        k = apply_rope(matmul(x_in, lp["wk"]).reshape(b, t, tcfg.num_kv_heads, d), positions, inv)
+        rope = rope_table(positions, tcfg)
+        q = apply_rope(matmul(x_in, lp["wq"]).reshape(b, t, tcfg.num_heads, d), rope)
+        k = apply_rope(matmul(x_in, lp["wk"]).reshape(b, t, tcfg.num_kv_heads, d), rope)
         v = matmul(x_in, lp["wv"]).reshape(b, t, tcfg.num_kv_heads, d)
         a = draft_attention(q, cache_k, cache_v, cache_valid, cache_len, extra_k, extra_v,
                             extra_mask, k, v, own_mask, self.attn_impl)

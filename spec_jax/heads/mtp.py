@@ -10,7 +10,7 @@ import jax.numpy as jnp
 
 from spec_jax.heads.eagle import init_layer
 from spec_jax.heads.feature import FeatureDrafter, draft_attention
-from spec_jax.models.llama import decoder_layer, embed, rms_norm, rope_inv_freq
+from spec_jax.models.llama import decoder_layer, embed, rms_norm, rope_table
 
 
 def init_params(cfg, key, scale=0.02, num_modules: int = 1):
@@ -40,4 +40,4 @@ class MtpDrafter(FeatureDrafter):
             return draft_attention(q, cache_k, cache_v, cache_valid, cache_len, extra_k, extra_v,
                                    extra_mask, k, v, own_mask, self.attn_impl)
 
-        return decoder_layer(mp["layer"], tcfg, x, positions, rope_inv_freq(tcfg), attend)
+        return decoder_layer(mp["layer"], tcfg, x, rope_table(positions, tcfg), attend)
