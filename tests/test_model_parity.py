@@ -98,3 +98,18 @@ def test_unrolled_layers_equal_scanned_layers():
     np.testing.assert_allclose(np.asarray(a.k_new), np.asarray(b.k_new), atol=1e-5)
     restacked = stack_layers(unrolled)
     np.testing.assert_array_equal(np.asarray(restacked["layers"]["wq"]), np.asarray(params["layers"]["wq"]))
+
+
+def test_rope_table_equals_rotation_computed_in_graph(monkeypatch):
+    """Positions are rotated from a constant table; models with more positions than
+    ROPE_TABLE_MAX compute cos/sin in-graph instead: both give the same rotation."""
+    from spec_jax.models import llama
+
+    cfg, _ = ours(hf_model("llama", False))  # Llama-3 scaled frequencies
+    pos = jnp.asarray(np.random.RandomState(4).randint(0, cfg.max_position_embeddings, (2, 7)))
+    table = llama.rope_table(pos, cfg)
+    monkeypatch.setattr(llama, "ROPE_TABLE_MAX", 0)
+    direct = llama.rope_table(pos, cfg)
+    for a, b in zip(table, direct):
+        assert a.shape == (2, 7, 1, cfg.head_dim // 2)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-6)
