@@ -4,7 +4,8 @@ Decoding and tree verification multiply a few rows (B x T) by every weight matri
 is the speed of reading the weights. XLA:CPU reads them at ~24 GB/s for one row but 13-17 GB/s for
 2-8 rows; the packed kernel streams contiguous panels at ~32 GB/s for 1-8 rows alike on an
 AVX-512 host (SmolLM2's whole forward in the generation loop: 21.2 / 21.0 / 23.2 / 26.2 ms at
-T = 1/2/4/8, against 23.2 / 33.2 / 37.0 / 44.3 ms with XLA's dot). On an AVX2 host it is
+T = 1/2/4/8, against 23.2 / 33.2 / 37.0 / 44.3 ms with XLA's dot; with the panel prefetched 32
+rows ahead, on a later Zen 4 host, ~12 / 14 / 16 ms at T = 1/4/8). On an AVX2 host it is
 compute-bound from ~3 rows: 34 / 31 / 21 / 20 GB/s at 1/2/4/8 rows (XLA: 30 / 21 / 14 / 14;
 docs/benchmarks.md) with 32-column panels; 16-column panels and prefetching (the AVX2 build's
 layout, `panel_width()`) lift 4 rows to ~30 GB/s.
