@@ -16,6 +16,11 @@ from spec_jax.target import Target
 from spec_jax.tree import tree_object
 
 FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
+# Compiled loops kept per target, least recently used dropped first. Each XLA:CPU executable holds
+# ~1 000 memory maps and a process may have 65 530 (vm.max_map_count): `spec-jax bench --calibrate`
+# with four heads compiled ~60 loops in one process and aborted inside LLVM ("Cannot allocate
+# memory", then a segfault).
+MAX_LOOPS = 24
 
 
 @dataclasses.dataclass
@@ -150,12 +155,16 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128,
     precision = loop_precision(target.cfg, precision)
     ck = ("loop", drafter, settings, b, p_pad, n_slots, dsig, precision)
     compile_s = 0.0
-    if ck not in target.compiled:
+    fn = target.compiled.pop(ck, None)
+    if fn is None:
         t0 = time.perf_counter()
         with jax.default_matmul_precision(precision):
-            target.compiled[ck] = compiled_loop(target.cfg, drafter, settings).lower(*args).compile()
+            fn = compiled_loop(target.cfg, drafter, settings).lower(*args).compile()
         compile_s = time.perf_counter() - t0
-    fn = target.compiled[ck]
+        loops = [k for k in target.compiled if k[0] == "loop"]
+        for k in loops[:max(len(loops) - MAX_LOOPS + 1, 0)]:  # least recently used first
+            del target.compiled[k]
+    target.compiled[ck] = fn  # (re)inserted last: the dict's order is the order of use
     t0 = time.perf_counter()
     out, n_out, finish, calls, hist, _ = jax.block_until_ready(fn(*args))
     wall = time.perf_counter() - t0

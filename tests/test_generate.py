@@ -50,6 +50,20 @@ def test_compiles_once_per_shape(tiny_target):
     assert r.stats["compile_seconds"] == 0.0  # same prompt bucket and settings: no recompilation
 
 
+def test_keeps_the_most_recently_used_compiled_loops(monkeypatch):
+    """A long process (a calibrating bench) must not keep every loop it compiled: each holds ~1 000
+    of the process's 65 530 memory maps."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("spec_jax.generate"), "MAX_LOOPS", 2)
+    t = spec_jax.random_target(tiny_config(), seed=0)
+    for n in (3, 4, 3, 5):  # max_new_tokens is a static setting: one loop each
+        spec_jax.generate(t, [1, 2], n, stop_at_eos=False)
+    kept = [k[2].max_new_tokens for k in t.compiled if k[0] == "loop"]
+    assert kept == [3, 5]  # 4 was the least recently used when 5 came
+    assert spec_jax.generate(t, [1, 2], 3).stats["compile_seconds"] == 0.0
+
+
 def test_sampling_is_seeded(tiny_target):
     a = spec_jax.generate(tiny_target, [1, 2], 16, temperature=1.0, seed=3).token_ids
     b = spec_jax.generate(tiny_target, [1, 2], 16, temperature=1.0, seed=3).token_ids
