@@ -105,10 +105,10 @@ def test_rank_profile_matches_the_drafters_own_candidates(tiny_target):
 
 
 def test_sized_tree_is_cached_per_heads(tiny_target, tmp_path, monkeypatch):
-    """Sizing measures plain decoding and its best prediction end to end, caches the faster for
+    """Sizing measures plain decoding and its best prediction end to end, caches the winner for
     these heads only: other heads of the same method (retrained, say) are sized afresh."""
     import spec_jax
-    from spec_jax.sizing import PLAIN, cached_tree, size_tree
+    from spec_jax.sizing import PLAIN, cached_tree, pick_winner, size_tree
 
     monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
     heads = spec_jax.init_draft(tiny_target, "eagle", seed=1, scale=0.3)
@@ -119,7 +119,9 @@ def test_sized_tree_is_cached_per_heads(tiny_target, tmp_path, monkeypatch):
     for m in report["measured"]:  # two runs each; the faster counts
         assert len(m["runs_tokens_per_second"]) == 2
         assert m["tokens_per_second"] == max(m["runs_tokens_per_second"])
-    assert tree == max(report["measured"], key=lambda m: m["tokens_per_second"])["tree"]  # no ds
+    # the fastest, or on a near-tie (within the runs' own spread) the one with the higher tau: not
+    # always the fastest reading, which on a loaded machine made this test fail when it asked so
+    assert tree == pick_winner(report["measured"])["tree"]
     assert report["profile_positions"] > 0 and all(c["size"] in (2, 4) for c in report["curve"])
     assert cached_tree(tiny_target, heads) == tree
     assert cached_tree(tiny_target, other) is None
