@@ -13,6 +13,7 @@ caller commits only what it keeps (see `spec_jax.cache.commit`).
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple
 
@@ -67,6 +68,19 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
 ROPE_TABLE_MAX = 32768  # positions up to this are rotated from a constant table
 
 
+@functools.lru_cache(maxsize=8)
+def _rope_np_table(cfg: ModelConfig) -> np.ndarray:
+    """[max_position_embeddings, D] float32: cos then sin of every position x frequency. Built once
+    per config, and the same array every call, so a graph that rotates at several places (every
+    draft depth) holds one constant instead of a copy per call."""
+    with jax.ensure_compile_time_eval():
+        inv = np.asarray(rope_inv_freq(cfg), np.float32)
+    ang = np.arange(cfg.max_position_embeddings, dtype=np.float32)[:, None] * inv
+    table = np.concatenate([np.cos(ang), np.sin(ang)], axis=-1)
+    table.setflags(write=False)
+    return table
+
+
 def rope_table(positions, cfg: ModelConfig):
     """positions [B, T] -> (cos, sin), each [B, T, 1, D/2] float32, made once per forward.
 
@@ -74,16 +88,14 @@ def rope_table(positions, cfg: ModelConfig):
     were fused into each layer's rotation and evaluated once per rotated element (heads x both
     halves x layers) by XLA:CPU, 1.5 ms of a 26 ms 8-token verification of SmolLM2. Models with
     more than ROPE_TABLE_MAX positions compute them in-graph."""
-    with jax.ensure_compile_time_eval():
-        inv = np.asarray(rope_inv_freq(cfg), np.float32)
-    n = cfg.max_position_embeddings
-    if n > ROPE_TABLE_MAX:
+    half = cfg.head_dim // 2
+    if cfg.max_position_embeddings > ROPE_TABLE_MAX:
+        with jax.ensure_compile_time_eval():
+            inv = np.asarray(rope_inv_freq(cfg), np.float32)
         ang = positions.astype(jnp.float32)[..., None] * inv  # [B, T, D/2]
         return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
-    ang = np.arange(n, dtype=np.float32)[:, None] * inv
-    table = jnp.asarray(np.concatenate([np.cos(ang), np.sin(ang)], axis=-1))  # [n, D]
-    cs = jnp.take(table, positions, axis=0, mode="clip")[:, :, None, :]
-    return cs[..., :inv.shape[0]], cs[..., inv.shape[0]:]
+    cs = jnp.take(_rope_np_table(cfg), positions, axis=0, mode="clip")[:, :, None, :]
+    return cs[..., :half], cs[..., half:]
 
 
 def apply_rope(x, rope):
