@@ -22,8 +22,9 @@ Sequoia's idea with measured costs, in three measurements:
    pays (a datastore graft must win by more than the host's noise, see `pick_winner`).
    Beside fixed trees, switches (spec_jax.heads.switch) of 4, 8 and 16 tokens are weighed: per
    step the tokens go to the head's tree or to an n-gram chain by the length of the context's
-   n-gram match, with the policy that accepts most on the profile (`switch_trees`); the best
-   predicted switch runs end to end too.
+   n-gram match, with the policy that accepts most on the profile (`switch_trees`), each step
+   charged the draft depth of the arm it chooses (`switch_draft_seconds`); the best predicted
+   switch runs end to end too.
 
 The choice is cached per device kind, target (and its layer layout: packed CPU matmuls change every
 cost), heads (method + weights fingerprint) and batch. The verify-latency curve is cached per
@@ -77,7 +78,7 @@ PLAIN = "plain"
 def cache_file() -> Path:
     from spec_jax.convert.fetch import cache_dir
 
-    return cache_dir() / "trees-v7.json"  # v7: costs measured with the RoPE table (8-token steps ~11% cheaper)
+    return cache_dir() / "trees-v8.json"  # v8: a switch is charged the draft depth of the arms it uses
 
 
 def _target_parts(target, batch: int) -> tuple[str, str, str, str, str]:
@@ -229,17 +230,25 @@ def _head_accepted(row, tree: set) -> int:
     return a
 
 
-def _replay(accepted: list[np.ndarray]) -> float:
-    """Tau of greedy decoding that accepts accepted[k][i] draft tokens at position i of sequence
-    k: from each step's root, move past the accepted tokens and the bonus token."""
-    emitted = steps = 0
+def _roots(accepted: list[np.ndarray]) -> list[np.ndarray]:
+    """The positions greedy decoding visits as step roots when it accepts accepted[k][i] draft
+    tokens at position i of sequence k: from each root, move past the accepted tokens and the
+    bonus token."""
+    out = []
     for acc in accepted:
-        i = 0
+        i, roots = 0, []
         while i < len(acc):
-            a = int(acc[i])
-            emitted += a + 1
-            steps += 1
-            i += a + 1
+            roots.append(i)
+            i += int(acc[i]) + 1
+        out.append(np.asarray(roots, np.int64))
+    return out
+
+
+def _replay(accepted: list[np.ndarray]) -> float:
+    """Tau of greedy decoding over the profile: tokens emitted (accepted + bonus) per step."""
+    roots = _roots(accepted)
+    steps = sum(len(r) for r in roots)
+    emitted = sum(int(np.sum(acc[r])) + len(r) for acc, r in zip(accepted, roots))
     return emitted / steps if steps else 1.0
 
 
@@ -356,10 +365,26 @@ def switch_trees(profile, trees: list[dict], ngram, match, size: int) -> dict | 
     acc = [acc[i] for i in used]
     chosen = [np.choose(np.asarray(policy)[mk], [a[k] for a in acc])
               for k, mk in enumerate(match)]
+    roots = _roots(chosen)
+    used_arm = np.concatenate([np.asarray(policy)[mk][r] for mk, r in zip(match, roots)])
+    share = np.bincount(used_arm, minlength=len(arms)) / max(len(used_arm), 1)
     paths = [p for a, _ in arms for p in a]
     return {"switch": [{"base": a, "ngram": g} for a, g in arms], "policy": policy,
             "tau": _replay(chosen), "depth": max((len(p) for p in paths), default=0),
-            "top_k": 1 + max((max(p) for p in paths), default=0)}
+            "top_k": 1 + max((max(p) for p in paths), default=0),
+            "arm_share": [float(x) for x in share]}
+
+
+def switch_draft_seconds(sw: dict, draft: dict) -> float:
+    """A switch's draft seconds per step: only the chosen arm is drafted (at batch 1), so each
+    arm costs the drafted depth its head tree needs (`draft`: depth -> seconds, bookkeeping
+    included; the root-alone arm still pays the bookkeeping of depth 1), weighted by the share of
+    replayed steps that choose it."""
+    cost = 0.0
+    for arm, share in zip(sw["switch"], sw["arm_share"]):
+        need = max((len(p) for p in arm["base"]), default=0)
+        cost += share * draft[min(d for d in draft if d >= max(need, 1))]
+    return cost
 
 
 def best_trees(profile: list[np.ndarray], sizes=TREE_SIZES, max_depth: int | None = None) -> list[dict]:
@@ -563,15 +588,15 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
             if sw is None or any(c.get("switch", {}).get("switch") == sw["switch"] for c in curve):
                 continue
             size = tree_tokens(sw)
-            drafted = min(d for d in draft if d >= sw["depth"])  # its arms stop at a drafted depth
-            step = _interp(verify, size) + draft[drafted] + graft_cost
+            step = _interp(verify, size) + switch_draft_seconds(sw, draft) + graft_cost
             arms = sw["switch"]
             curve.append({"size": size, "depth": sw["depth"], "top_k": sw["top_k"],
                           "ngram": max(a["ngram"] for a in arms), "ds": 0, "tau": sw["tau"],
                           "step_seconds": step, "predicted_tokens_per_second": batch * sw["tau"] / step,
                           "paths": sorted({tuple(p) for a in arms for p in a["base"]},
                                           key=lambda p: (len(p), p)),
-                          "switch": {"switch": arms, "policy": sw["policy"]}})
+                          "switch": {"switch": arms, "policy": sw["policy"]},
+                          "arm_share": sw["arm_share"]})
     fastest = lambda cs: max(cs, key=lambda c: c["predicted_tokens_per_second"])  # noqa: E731
     best = fastest(curve) if curve else None
     if best is not None:

@@ -256,6 +256,9 @@ def test_switch_policy_and_tau_on_a_hand_counted_profile(monkeypatch):
     assert sizing.replay_tau(ranks, [], ngram, graft=2) == pytest.approx(7 / 3)
     assert sizing.tree_tokens(sw) == 3
     assert sizing.tree_name(sw) == "switch 3 (head 3 d2 / root+ngram:2)"
+    # one step each way: the head arm (two draft depths) is paid at half the steps only
+    assert sw["arm_share"] == [0.5, 0.5]
+    assert sizing.switch_draft_seconds(sw, {1: 0.001, 2: 0.003}) == pytest.approx(0.002)
 
 
 def test_best_trees_within_a_depth_cap():
