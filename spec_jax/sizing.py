@@ -375,15 +375,18 @@ def switch_trees(profile, trees: list[dict], ngram, match, size: int) -> dict | 
             "arm_share": [float(x) for x in share]}
 
 
-def switch_draft_seconds(sw: dict, draft: dict) -> float:
-    """A switch's draft seconds per step: only the chosen arm is drafted (at batch 1), so each
-    arm costs the drafted depth its head tree needs (`draft`: depth -> seconds, bookkeeping
-    included; the root-alone arm still pays the bookkeeping of depth 1), weighted by the share of
-    replayed steps that choose it."""
-    cost = 0.0
+def switch_draft_seconds(sw: dict, draft: dict, batch: int = 1) -> float:
+    """A switch's draft seconds per step. Each arm is drafted only when a row chooses it: at
+    batch 1 with the share of replayed steps that choose it, at batch B (rows taken as
+    independent) with 1 - (1 - share)^B. `draft` maps drafted depth -> seconds of a draft step,
+    bookkeeping included; an arm costs what its head tree's depth adds over the shallowest
+    (the root-alone arm only the bookkeeping, which every step pays)."""
+    low = draft[min(draft)]
+    cost = low
     for arm, share in zip(sw["switch"], sw["arm_share"]):
         need = max((len(p) for p in arm["base"]), default=0)
-        cost += share * draft[min(d for d in draft if d >= max(need, 1))]
+        runs = 1.0 - (1.0 - share) ** batch
+        cost += runs * (draft[min(d for d in draft if d >= max(need, min(draft)))] - low)
     return cost
 
 
@@ -588,7 +591,7 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
             if sw is None or any(c.get("switch", {}).get("switch") == sw["switch"] for c in curve):
                 continue
             size = tree_tokens(sw)
-            step = _interp(verify, size) + switch_draft_seconds(sw, draft) + graft_cost
+            step = _interp(verify, size) + switch_draft_seconds(sw, draft, batch) + graft_cost
             arms = sw["switch"]
             curve.append({"size": size, "depth": sw["depth"], "top_k": sw["top_k"],
                           "ngram": max(a["ngram"] for a in arms), "ds": 0, "tau": sw["tau"],

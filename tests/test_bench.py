@@ -259,6 +259,8 @@ def test_switch_policy_and_tau_on_a_hand_counted_profile(monkeypatch):
     # one step each way: the head arm (two draft depths) is paid at half the steps only
     assert sw["arm_share"] == [0.5, 0.5]
     assert sizing.switch_draft_seconds(sw, {1: 0.001, 2: 0.003}) == pytest.approx(0.002)
+    # two rows: the deep arm runs whenever either row takes it (3 steps in 4)
+    assert sizing.switch_draft_seconds(sw, {1: 0.001, 2: 0.003}, batch=2) == pytest.approx(0.0025)
 
 
 def test_best_trees_within_a_depth_cap():
