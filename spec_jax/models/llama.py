@@ -68,14 +68,18 @@ def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
 ROPE_TABLE_MAX = 32768  # positions up to this are rotated from a constant table
 
 
+def _inv_freq_np(cfg: ModelConfig) -> np.ndarray:
+    """`rope_inv_freq` as a host constant [D/2], also when called while tracing."""
+    with jax.ensure_compile_time_eval():
+        return np.asarray(rope_inv_freq(cfg), np.float32)
+
+
 @functools.lru_cache(maxsize=8)
 def _rope_np_table(cfg: ModelConfig) -> np.ndarray:
     """[max_position_embeddings, D] float32: cos then sin of every position x frequency. Built once
     per config, and the same array every call, so a graph that rotates at several places (every
     draft depth) holds one constant instead of a copy per call."""
-    with jax.ensure_compile_time_eval():
-        inv = np.asarray(rope_inv_freq(cfg), np.float32)
-    ang = np.arange(cfg.max_position_embeddings, dtype=np.float32)[:, None] * inv
+    ang = np.arange(cfg.max_position_embeddings, dtype=np.float32)[:, None] * _inv_freq_np(cfg)
     table = np.concatenate([np.cos(ang), np.sin(ang)], axis=-1)
     table.setflags(write=False)
     return table
@@ -90,9 +94,7 @@ def rope_table(positions, cfg: ModelConfig):
     more than ROPE_TABLE_MAX positions compute them in-graph."""
     half = cfg.head_dim // 2
     if cfg.max_position_embeddings > ROPE_TABLE_MAX:
-        with jax.ensure_compile_time_eval():
-            inv = np.asarray(rope_inv_freq(cfg), np.float32)
-        ang = positions.astype(jnp.float32)[..., None] * inv  # [B, T, D/2]
+        ang = positions.astype(jnp.float32)[..., None] * _inv_freq_np(cfg)  # [B, T, D/2]
         return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
     cs = jnp.take(_rope_np_table(cfg), positions, axis=0, mode="clip")[:, :, None, :]
     return cs[..., :half], cs[..., half:]
