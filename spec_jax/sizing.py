@@ -381,12 +381,12 @@ def switch_draft_seconds(sw: dict, draft: dict, batch: int = 1) -> float:
     independent) with 1 - (1 - share)^B. `draft` maps drafted depth -> seconds of a draft step,
     bookkeeping included; an arm costs what its head tree's depth adds over the shallowest
     (the root-alone arm only the bookkeeping, which every step pays)."""
-    low = draft[min(draft)]
-    cost = low
+    shallowest = min(draft)
+    cost = draft[shallowest]
     for arm, share in zip(sw["switch"], sw["arm_share"]):
-        need = max((len(p) for p in arm["base"]), default=0)
-        runs = 1.0 - (1.0 - share) ** batch
-        cost += runs * (draft[min(d for d in draft if d >= max(need, min(draft)))] - low)
+        need = max([shallowest] + [len(p) for p in arm["base"]])
+        drafted = min(d for d in draft if d >= need)  # arms stop at a drafted depth
+        cost += (1.0 - (1.0 - share) ** batch) * (draft[drafted] - draft[shallowest])
     return cost
 
 
