@@ -40,6 +40,9 @@ def main():
                     help="cross-entropy on the data's tokens, or on the target's distribution (EAGLE's loss)")
     ap.add_argument("--eagle-ce-weight", type=float, default=0.1,
                     help="EAGLE-1/2: cross-entropy weight beside the feature loss (the paper's 0.1)")
+    ap.add_argument("--eagle-layers", type=int, default=1,
+                    help="EAGLE-1/2 decoder layers (1: the paper's head); --init heads with fewer "
+                         "are grown by identity layers (see spec_jax.train.loop.train)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--out-root", help="write <out-root>/<model-name>-<method> (default: beside the model)")
     ap.add_argument("--features", help="folder to keep (or reuse) the target's features in")
@@ -54,6 +57,7 @@ def main():
             raise SpecJaxError(f"{ckpt} already holds checkpoints: pass --resume, or remove it")
     target = spec_jax.load_target(a.model)
     inits = {h.method: h for h in map(spec_jax.load_draft, a.init)}
+
     sets = [load_distill(d) for d in a.data]
     for d, (_, _, m) in zip(a.data, sets):  # every set is checked before the first target pass
         check_source(d, m, target)
@@ -71,7 +75,8 @@ def main():
         cfg = TrainConfig(method=m, steps=steps, batch_size=a.batch_size,
                           seq_len=a.seq_len, lr=a.lr or LR[m], draft_vocab=a.draft_vocab,
                           eagle_ttt_steps=a.eagle_ttt, eagle_ce_weight=a.eagle_ce_weight,
-                          labels=a.labels if m != "medusa" else "hard")
+                          labels=a.labels if m != "medusa" else "hard",
+                          hparams=(("num_layers", a.eagle_layers),) if m == "eagle" else ())
         out = outs[m]
         heads, hist = train(target, data, cfg, out_dir=out, ckpt_dir=ckpts[m],
                             resume=a.resume, init=inits.get(m))

@@ -224,6 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cross-entropy on the data's tokens, or on the target's own distribution "
                         "(EAGLE's loss; eagle, eagle3, mtp)")
     t.add_argument("--init", help="heads to fine-tune (kept unchanged) instead of random ones")
+    t.add_argument("--layers", type=int, default=1,
+                   help="eagle: decoder layers of the head (1: the paper's); an --init head with "
+                        "fewer is grown by identity layers")
     t.add_argument("--resume", action="store_true")
     t.add_argument("--force", action="store_true")
     t.add_argument("--seed", type=int, default=0)

@@ -222,3 +222,49 @@ def test_a_graft_written_as_json_text_drafts_as_its_dict(tiny_target, heads):
     assert as_text.token_ids == as_dict.token_ids
     assert as_text.stats["acceptance_histogram"] == as_dict.stats["acceptance_histogram"]
     assert len(as_text.stats["acceptance_histogram"]) == 4  # 0..3 accepted: the graft is on
+
+
+def test_a_two_layer_eagle_head_caches_each_layer_and_stays_lossless(tiny_target, heads):
+    """An EAGLE head with a second decoder layer: its draft cache, filled in two chunks, gives the
+    features of one teacher-forced pass (so each layer keeps its own K/V); greedy output is
+    plain's; a trained head grown by an identity layer drafts exactly what it did."""
+    import jax
+    import jax.numpy as jnp
+
+    from spec_jax.heads.eagle import add_layers, num_layers_of
+    from spec_jax.train.losses import _shift, unrolled_features
+
+    cfg, tp = tiny_target.cfg, tiny_target.params
+    h2 = spec_jax.init_draft(tiny_target, "eagle", seed=3, scale=0.3, num_layers=2)
+    assert num_layers_of(h2.params) == 2 and h2.hparams["num_layers"] == 2
+    d = h2.drafter()
+    assert d.num_layers == 2
+    b, n = 2, 12
+    toks = jax.random.randint(jax.random.PRNGKey(0), (b, n), 0, 64)
+    feats = jax.random.normal(jax.random.PRNGKey(1), (b, n, cfg.hidden_size))
+    pos = jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (b, n))
+    nxt, ok = _shift(toks, 1), jnp.ones((b, n), bool)
+    st = d.init_state(h2.params, tp, cfg, b, 32)
+    assert len(st.cache.k) == 2
+    whole = d._run_chunk(h2.params, tp, cfg, st, feats, nxt, pos, ok)
+    part = d._run_chunk(h2.params, tp, cfg, st, feats[:, :5], nxt[:, :5], pos[:, :5], ok[:, :5])
+    part = d._run_chunk(h2.params, tp, cfg, part, feats[:, 5:], nxt[:, 5:], pos[:, 5:], ok[:, 5:])
+    ref = unrolled_features(d, h2.params, tp, cfg, toks, feats, 1)[0][:, -1]
+    np.testing.assert_allclose(whole.root_feat, ref, rtol=2e-4, atol=2e-4)
+    np.testing.assert_allclose(part.root_feat, ref, rtol=2e-4, atol=2e-4)
+    for tree in ("dynamic:3,3,8", "[[0],[1],[0,0],[0,0,0]]"):
+        prompt = list(np.tile(np.arange(5), 4))
+        plain = spec_jax.generate(tiny_target, prompt, 16, stop_at_eos=False)
+        spec = spec_jax.generate(tiny_target, prompt, 16, draft=h2, tree=tree, stop_at_eos=False)
+        assert spec.token_ids == plain.token_ids, tree
+    one = heads["eagle"]
+    grown = spec_jax.heads.registry.DraftHeads(
+        "eagle", add_layers(one.params, cfg, 2, jax.random.PRNGKey(5)),
+        {**one.hparams, "num_layers": 2}, one.target_info)
+    assert num_layers_of(grown.params) == 2
+    roots = []
+    for h in (one, grown):
+        dd = h.drafter()
+        s0 = dd.init_state(h.params, tp, cfg, b, 32)
+        roots.append(dd._run_chunk(h.params, tp, cfg, s0, feats, nxt, pos, ok).root_tok)
+    np.testing.assert_array_equal(roots[0], roots[1])

@@ -101,6 +101,24 @@ def test_fine_tuning_starts_from_the_given_heads(toy):
               progress=False, init=first)
 
 
+def test_an_eagle_head_grown_by_a_layer_starts_where_it_was(toy):
+    """init= with more num_layers grows an EAGLE head by an identity layer: the first loss is the
+    one-layer head's (same batch, no noise), and the second layer then trains."""
+    target, prompts, seqs = toy
+    data = data_for(target, seqs, "eagle")
+    cfg = TrainConfig(method="eagle", steps=40, batch_size=8, seq_len=SEQ, lr=3e-3, warmup=5,
+                      noise=0.0, hparams=tuple(HP["eagle"].items()))
+    one, h1 = train(target, data, cfg, progress=False)
+    grow = dataclasses.replace(cfg, steps=20, hparams=(("num_layers", 2),))
+    _, h_one = train(target, data, dataclasses.replace(grow, hparams=()), progress=False, init=one)
+    two, h_two = train(target, data, grow, progress=False, init=one)
+    assert two.hparams["num_layers"] == 2 and one.hparams["num_layers"] == 1
+    assert h_two[0]["loss"] == pytest.approx(h_one[0]["loss"], rel=1e-5)
+    assert float(np.abs(np.asarray(two.params["layer_1"]["w_down"])).max()) > 0
+    assert h_two[-1]["loss"] < h_two[0]["loss"]
+    assert mean_tau(target, prompts, two) > 3.0  # the trained head's skill survives the growth
+
+
 def test_batch_order_is_a_function_of_seed_and_step():
     a = [batch_indices(20, 4, s, 0).tolist() for s in range(10)]
     assert a == [batch_indices(20, 4, s, 0).tolist() for s in range(10)]

@@ -1,6 +1,7 @@
 """EAGLE-1/2 head: fc(concat(embed(token), feature)) 2H->H, one Llama decoder layer without its
-input norm, then the target's frozen final norm and LM head (over the draft vocabulary if the
-heads have one, see spec_jax.heads.vocab). EAGLE-2 = this head + dynamic tree."""
+input norm (`layer`; the paper's head) and optionally more full ones (`layer_1`, ...), then the
+target's frozen final norm and LM head (over the draft vocabulary if the heads have one, see
+spec_jax.heads.vocab). EAGLE-2 = this head + dynamic tree."""
 from __future__ import annotations
 
 import dataclasses
@@ -29,13 +30,31 @@ def init_layer(cfg, key, scale, in_dim=None, input_norm=True):
     return p
 
 
-def init_params(cfg, key, scale=0.02):
+def init_params(cfg, key, scale=0.02, num_layers: int = 1):
     h = cfg.hidden_size
-    k1, k2 = jax.random.split(key)
+    k1, k2, k3 = jax.random.split(key, 3)
     dt = jnp.dtype(cfg.dtype)
-    return {"fc_w": (scale * jax.random.normal(k1, (2 * h, h))).astype(dt),
-            "fc_b": jnp.zeros((h,), dt),
-            "layer": init_layer(cfg, k2, scale, input_norm=False)}
+    params = {"fc_w": (scale * jax.random.normal(k1, (2 * h, h))).astype(dt),
+              "fc_b": jnp.zeros((h,), dt),
+              "layer": init_layer(cfg, k2, scale, input_norm=False)}
+    return add_layers(params, cfg, num_layers, k3, scale)
+
+
+def num_layers_of(params) -> int:
+    return 1 + sum(1 for k in params if k.startswith("layer_"))
+
+
+def add_layers(params, cfg, num_layers: int, key, scale=0.02):
+    """`params` with full decoder layers appended up to `num_layers`. A new layer's output
+    projections (wo, w_down) are zero, so it starts as the identity: a trained head grown this way
+    predicts exactly what it did, and training moves on from there."""
+    params = dict(params)
+    for i, k in zip(range(num_layers_of(params), num_layers),
+                    jax.random.split(key, max(num_layers, 1))):
+        lp = init_layer(cfg, k, scale, input_norm=True)
+        params[f"layer_{i}"] = {**lp, "wo": jnp.zeros_like(lp["wo"]),
+                                "w_down": jnp.zeros_like(lp["w_down"])}
+    return params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,10 +66,16 @@ class EagleDrafter(FeatureDrafter):
         e = embed(tparams, tokens).astype(feat.dtype)
         x = matmul(jnp.concatenate([e, feat], axis=-1), dparams["fc_w"]) + dparams["fc_b"]
 
-        def attend(q, k, v):
-            return draft_attention(q, cache_k, cache_v, cache_valid, cache_len, extra_k, extra_v,
-                                   extra_mask, k, v, own_mask, self.attn_impl)
-
         rope = rope_table(positions, tcfg)
-        out, k, v = decoder_layer(dparams["layer"], tcfg, x, rope, attend, input_norm=False)
-        return out, k, v
+        ks, vs = [], []
+        for i in range(self.num_layers):
+            def attend(q, k, v, i=i):
+                return draft_attention(q, cache_k[i], cache_v[i], cache_valid, cache_len,
+                                       extra_k[i], extra_v[i], extra_mask, k, v, own_mask,
+                                       self.attn_impl)
+
+            lp = dparams["layer"] if i == 0 else dparams[f"layer_{i}"]
+            x, k, v = decoder_layer(lp, tcfg, x, rope, attend, input_norm=i > 0)
+            ks.append(k)
+            vs.append(v)
+        return x, tuple(ks), tuple(vs)

@@ -54,12 +54,12 @@ class Eagle3Drafter(FeatureDrafter):
         q = apply_rope(matmul(x_in, lp["wq"]).reshape(b, t, tcfg.num_heads, d), rope)
         k = apply_rope(matmul(x_in, lp["wk"]).reshape(b, t, tcfg.num_kv_heads, d), rope)
         v = matmul(x_in, lp["wv"]).reshape(b, t, tcfg.num_kv_heads, d)
-        a = draft_attention(q, cache_k, cache_v, cache_valid, cache_len, extra_k, extra_v,
-                            extra_mask, k, v, own_mask, self.attn_impl)
+        a = draft_attention(q, cache_k[0], cache_v[0], cache_valid, cache_len, extra_k[0],
+                            extra_v[0], extra_mask, k, v, own_mask, self.attn_impl)
         x = feat + matmul(a.reshape(b, t, -1), lp["wo"])
         h = rms_norm(x, lp["mlp_norm"], tcfg.rms_norm_eps)
         x = x + matmul(jax.nn.silu(matmul(h, lp["w_gate"])) * matmul(h, lp["w_up"]), lp["w_down"])
-        return x, k, v
+        return x, (k,), (v,)
 
     def logits(self, dparams, tparams, tcfg, feat):
         h = rms_norm(feat, dparams["norm"], tcfg.rms_norm_eps)

@@ -2,7 +2,8 @@
 
 The draft model sees pairs (feature at position j, token at j+1) at position j and outputs the
 predicted feature of position j+1, whose logits propose the token at j+2. It keeps its own static KV
-cache over the accepted context (one cache layer per module), always as long as the target's:
+cache over the accepted context (one cache layer per decoder layer of each module), always as long
+as the target's:
 after each verification it re-runs the accepted pairs with the target's fresh features. Tree
 expansion (EAGLE-2) keeps the K/V of expanded nodes in a per-step buffer that is thrown away.
 
@@ -32,7 +33,7 @@ from spec_jax.tree import StaticTree, Tree, ancestor_mask, children_table, stati
 
 @flax.struct.dataclass
 class FeatureState:
-    cache: KVCache  # [M, B, S, KVH, D]: one layer per draft module
+    cache: KVCache  # M * num_layers per-layer [B, KVH, S, D] buffers (module-major)
     root_feat: jax.Array  # [B, H] draft feature predicted for the root's position
     root_logp: jax.Array  # [B, k] top-k log-probs of the root's children
     root_tok: jax.Array  # [B, k] their target token ids
@@ -45,6 +46,7 @@ class FeatureDrafter(Drafter):
     depth: int = 5
     total_tokens: int = 32  # nodes including the root
     num_modules: int = 1
+    num_layers: int = 1  # decoder layers per module (each has its own draft cache layer)
     attn_impl: str = "xla"
     static_tree: StaticTree | None = None  # set: draft this fixed tree instead of a dynamic one
 
@@ -55,7 +57,9 @@ class FeatureDrafter(Drafter):
 
     def cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache_k, cache_v,
              cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask):
-        """One draft step: returns (out_feature [B,T,H], k [B,T,KVH,D], v [B,T,KVH,D])."""
+        """One draft step of `module`. cache_k/cache_v: its layers' committed caches, a tuple of
+        num_layers [B, KVH, S, D]; extra_k/extra_v: a tuple of num_layers [B, E, KVH, D] (tree
+        buffer). Returns (out_feature [B,T,H], ks, vs), ks/vs a tuple of num_layers [B,T,KVH,D]."""
         raise NotImplementedError
 
     def logits(self, dparams, tparams, tcfg, feat):
@@ -103,12 +107,18 @@ class FeatureDrafter(Drafter):
 
     def _attend_cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache: KVCache,
                      extra_k, extra_v, extra_mask, own_mask):
+        lo, hi = module * self.num_layers, (module + 1) * self.num_layers
         return self.cell(dparams, tparams, tcfg, module, feat, tokens, positions,
-                         cache.k[module], cache.v[module], cache.valid, cache.length,
+                         tuple(cache.k[lo:hi]), tuple(cache.v[lo:hi]), cache.valid, cache.length,
                          extra_k, extra_v, extra_mask, own_mask)
 
+    def _empty_kv(self, tcfg, batch, n, dtype):
+        """A tree buffer of n slots per layer: a tuple of num_layers [B, n, KVH, D] zeros."""
+        return tuple(jnp.zeros((batch, n, tcfg.num_kv_heads, tcfg.head_dim), dtype)
+                     for _ in range(self.num_layers))
+
     def init_state(self, dparams, tparams, tcfg, batch, num_slots):
-        cache = init_cache(self.num_modules, batch, num_slots, tcfg.num_kv_heads, tcfg.head_dim,
+        cache = init_cache(self.num_modules * self.num_layers, batch, num_slots, tcfg.num_kv_heads, tcfg.head_dim,
                            jnp.dtype(tcfg.dtype), per_layer=True)
         # an all-constant empty cache makes XLA constant-fold the prefill's masked attention over
         # it (seconds of compile time per drafter and prompt shape); the barrier stops the folding
@@ -124,15 +134,15 @@ class FeatureDrafter(Drafter):
         """Run all modules over committed pairs [B, A] and append them to the draft cache."""
         b, a = next_tok.shape
         count = jnp.sum(valid, axis=1).astype(jnp.int32)
-        empty_k = jnp.zeros((b, 0, tcfg.num_kv_heads, tcfg.head_dim), state.cache.k[0].dtype)
+        empty = self._empty_kv(tcfg, b, 0, state.cache.k[0].dtype)
         own = causal_mask(b, a)
         ks, vs, first_out = [], [], None
         for m in range(self.num_modules):
             out, k, v = self._attend_cell(dparams, tparams, tcfg, m, feats, next_tok, positions,
-                                          state.cache, empty_k, empty_k,
+                                          state.cache, empty, empty,
                                           jnp.zeros((b, a, 0), bool), own)
-            ks.append(k)
-            vs.append(v)
+            ks.extend(k)
+            vs.extend(v)
             if m == 0:
                 first_out = out
         select = jnp.broadcast_to(jnp.arange(a, dtype=jnp.int32), (b, a))
@@ -169,7 +179,6 @@ class FeatureDrafter(Drafter):
             return self._propose_static(dparams, tparams, tcfg, state, root), state
         b = root.shape[0]
         k, depth = self.top_k, self.depth
-        kvh, hd = tcfg.num_kv_heads, tcfg.head_dim
         n_buf = max(depth - 1, 1) * k
         root_pos = state.cache.length  # draft cache is as long as the target's
         # pool of candidates: tokens, cumulative scores, parent pool index (-1 = root), depth
@@ -182,8 +191,7 @@ class FeatureDrafter(Drafter):
         f_tok, f_score = state.root_tok, state.root_logp
         f_feat = jnp.broadcast_to(state.root_feat[:, None], (b, k, state.root_feat.shape[-1]))
         f_anc = jnp.zeros((b, k, n_buf), bool)
-        buf_k = jnp.zeros((b, n_buf, kvh, hd), state.cache.k[0].dtype)
-        buf_v = jnp.zeros_like(buf_k)
+        buf_k = buf_v = self._empty_kv(tcfg, b, n_buf, state.cache.k[0].dtype)
         eye = jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k))
         rows = jnp.arange(b)[:, None]
         base = k
@@ -193,8 +201,7 @@ class FeatureDrafter(Drafter):
             out, kk, vv = self._attend_cell(dparams, tparams, tcfg, module, f_feat, f_tok,
                                             positions, state.cache, buf_k, buf_v, f_anc, eye)
             slot0 = (d - 2) * k
-            buf_k = jax.lax.dynamic_update_slice_in_dim(buf_k, kk.astype(buf_k.dtype), slot0, 1)
-            buf_v = jax.lax.dynamic_update_slice_in_dim(buf_v, vv.astype(buf_v.dtype), slot0, 1)
+            buf_k, buf_v = _buffer(buf_k, kk, slot0), _buffer(buf_v, vv, slot0)
             logp, tok = self.logp_topk(dparams, tparams, tcfg, out, k)  # [B, k, k]
             score = f_score[:, :, None] + logp
             cand_parent = jnp.broadcast_to(f_idx[:, :, None], (b, k, k)).reshape(b, k * k)
@@ -237,12 +244,10 @@ class FeatureDrafter(Drafter):
         previous depth that have children; their K/V go to a per-step buffer (slot per node)."""
         parent, depth, rank, mask, _, _ = self.static_tree.arrays()
         t, b = len(parent), root.shape[0]
-        kvh, hd = tcfg.num_kv_heads, tcfg.head_dim
         expand = [i for i in range(1, t) if np.any(parent == i)]  # node order: depth-contiguous
         slot = {n: j for j, n in enumerate(expand)}
         n_buf = max(len(expand), 1)
-        buf_k = jnp.zeros((b, n_buf, kvh, hd), state.cache.k[0].dtype)
-        buf_v = jnp.zeros_like(buf_k)
+        buf_k = buf_v = self._empty_kv(tcfg, b, n_buf, state.cache.k[0].dtype)
         tokens = [root] + [None] * (t - 1)
         for i in range(1, t):
             if depth[i] == 1:
@@ -261,8 +266,7 @@ class FeatureDrafter(Drafter):
                 state.cache, buf_k, buf_v, jnp.broadcast_to(jnp.asarray(anc), (b,) + anc.shape),
                 jnp.broadcast_to(jnp.eye(len(run), dtype=bool), (b, len(run), len(run))))
             s0 = slot[run[0]]
-            buf_k = jax.lax.dynamic_update_slice_in_dim(buf_k, kk.astype(buf_k.dtype), s0, 1)
-            buf_v = jax.lax.dynamic_update_slice_in_dim(buf_v, vv.astype(buf_v.dtype), s0, 1)
+            buf_k, buf_v = _buffer(buf_k, kk, s0), _buffer(buf_v, vv, s0)
             kids = [c for c in range(t) if depth[c] == d]
             _, top = self.logp_topk(dparams, tparams, tcfg, out, int(rank[kids].max()) + 1)
             col = {n: r for r, n in enumerate(run)}
@@ -272,6 +276,12 @@ class FeatureDrafter(Drafter):
             for r, i in enumerate(run):
                 out_of[i] = out[:, r]
         return static_tree_batch(self.static_tree, jnp.stack(tokens, 1).astype(jnp.int32), b)
+
+
+def _buffer(buf, new, slot):
+    """Write per-layer K or V `new` (tuple of [B, n, KVH, D]) at `slot` of the tree buffer."""
+    return tuple(jax.lax.dynamic_update_slice_in_dim(b, x.astype(b.dtype), slot, 1)
+                 for b, x in zip(buf, new))
 
 
 def draft_attention(q, cache_k, cache_v, cache_valid, cache_len, extra_k, extra_v, extra_mask,

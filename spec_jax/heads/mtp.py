@@ -37,7 +37,8 @@ class MtpDrafter(FeatureDrafter):
                              rms_norm(feat, mp["hnorm"], tcfg.rms_norm_eps)], axis=-1) @ mp["eh_proj"]
 
         def attend(q, k, v):
-            return draft_attention(q, cache_k, cache_v, cache_valid, cache_len, extra_k, extra_v,
-                                   extra_mask, k, v, own_mask, self.attn_impl)
+            return draft_attention(q, cache_k[0], cache_v[0], cache_valid, cache_len, extra_k[0],
+                                   extra_v[0], extra_mask, k, v, own_mask, self.attn_impl)
 
-        return decoder_layer(mp["layer"], tcfg, x, rope_table(positions, tcfg), attend)
+        x, k, v = decoder_layer(mp["layer"], tcfg, x, rope_table(positions, tcfg), attend)
+        return x, (k,), (v,)

@@ -13,7 +13,7 @@ from spec_jax.tree import StaticTree, parse_tree
 
 METHODS = ("eagle", "eagle3", "medusa", "mtp")
 DEFAULT_HPARAMS = {
-    "eagle": {"top_k": 8, "depth": 5, "total_tokens": 32},
+    "eagle": {"top_k": 8, "depth": 5, "total_tokens": 32, "num_layers": 1},
     "eagle3": {"top_k": 8, "depth": 6, "total_tokens": 32, "draft_vocab": 8192},
     "medusa": {"num_heads": 4},
     "mtp": {"num_modules": 1, "depth": 3},
@@ -131,7 +131,7 @@ class DraftHeads:
         if self.method == "eagle":
             from spec_jax.heads.eagle import EagleDrafter
 
-            d = EagleDrafter(**dyn)
+            d = EagleDrafter(num_layers=hp.get("num_layers", 1), **dyn)
         elif self.method == "eagle3":
             from spec_jax.heads.eagle3 import Eagle3Drafter
 
@@ -157,7 +157,7 @@ def init_draft(target, method: str, seed: int = 0, scale: float = 0.02, **hparam
     if method == "eagle":
         from spec_jax.heads.eagle import init_params
 
-        params = init_params(cfg, key, scale)
+        params = init_params(cfg, key, scale, num_layers=hp["num_layers"])
     elif method == "eagle3":
         from spec_jax.heads.eagle3 import init_params
 

@@ -190,7 +190,8 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
     """Train heads of cfg.method on `data` (from `feature_cache`). Returns (DraftHeads, history).
 
     init: heads to start from (fine-tuning on new data) instead of random ones; their
-    hyper-parameters and draft vocabulary are kept."""
+    hyper-parameters and draft vocabulary are kept, except that an EAGLE head is grown by identity
+    layers when cfg.hparams asks for more `num_layers` (spec_jax.heads.eagle.add_layers)."""
     import orbax.checkpoint as ocp
 
     if init is not None:
@@ -199,6 +200,13 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
                                "of the method being trained")
         init.check_target(target)
         heads = DraftHeads(init.method, dict(init.params), dict(init.hparams), init.target_info)
+        layers = dict(cfg.hparams).get("num_layers", 1)
+        if cfg.method == "eagle" and layers > heads.hparams.get("num_layers", 1):
+            from spec_jax.heads.eagle import add_layers
+
+            heads.params = add_layers(heads.params, target.cfg, layers,
+                                      jax.random.PRNGKey(cfg.seed))
+            heads.hparams["num_layers"] = layers
     else:
         extra = dict(cfg.hparams)
         v = target.cfg.vocab_size
@@ -321,7 +329,7 @@ def train_cli(a):
     print(f"feature cache: {len(toks)} sequences x {a.seq_len} tokens in {time.time() - t0:.1f}s")
     cfg = TrainConfig(method=a.method, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len,
                       lr=a.lr, seed=a.seed, draft_vocab=a.draft_vocab,
-                      labels=a.labels)
+                      labels=a.labels, hparams=(("num_layers", a.layers),) if a.method == "eagle" else ())
     init = spec_jax.load_draft(a.init) if a.init else None
     heads, hist = train(target, {"tokens": toks, "mask": mask, "feats": feats, "aux": aux}, cfg,
                         out_dir=out, ckpt_dir=out.parent / f".{out.name}.ckpt", resume=a.resume,

@@ -62,7 +62,8 @@ def unrolled_features(drafter, dparams, tparams, tcfg, toks, t_feat, steps: int)
     b, l = toks.shape
     kvh, hd = tcfg.num_kv_heads, tcfg.head_dim
     pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
-    empty_k = jnp.zeros((b, 1, kvh, hd), jnp.dtype(tcfg.dtype))
+    nl, dt = drafter.num_layers, jnp.dtype(tcfg.dtype)
+    empty_k = (jnp.zeros((b, 1, kvh, hd), dt),) * nl
     no_valid, zero_len = jnp.zeros((b, 1), bool), jnp.zeros((b,), jnp.int32)
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((l, l), bool)), (b, l, l))
     eye = jnp.broadcast_to(jnp.eye(l, dtype=bool), (b, l, l))
@@ -72,7 +73,7 @@ def unrolled_features(drafter, dparams, tparams, tcfg, toks, t_feat, steps: int)
                             no_valid, zero_len, ex_k, ex_v, ex_mask, own)
 
     nomask = jnp.zeros((b, l, 0), bool)
-    nokv = jnp.zeros((b, 0, kvh, hd), jnp.dtype(tcfg.dtype))
+    nokv = (jnp.zeros((b, 0, kvh, hd), dt),) * nl
     # teacher-forced context per module (module m's keys over the real pairs)
     ctx = {}
     out1 = None
@@ -86,8 +87,9 @@ def unrolled_features(drafter, dparams, tparams, tcfg, toks, t_feat, steps: int)
         m = i % drafter.num_modules
         if i > 0:
             ck, cv = ctx[m]
-            ex_k = jnp.concatenate([ck] + diag_k, axis=1)
-            ex_v = jnp.concatenate([cv] + diag_v, axis=1)
+            # per layer: the teacher-forced context, then each earlier unrolled step's keys
+            ex_k = tuple(jnp.concatenate([ck[j]] + [d[j] for d in diag_k], axis=1) for j in range(nl))
+            ex_v = tuple(jnp.concatenate([cv[j]] + [d[j] for d in diag_v], axis=1) for j in range(nl))
             ex_mask = jnp.concatenate([causal] + [eye] * len(diag_k), axis=2)
             feat, k, v = cell(m, feat, _shift(toks, i + 1), ex_k, ex_v, ex_mask, eye)
         else:
