@@ -57,7 +57,6 @@ def main():
             raise SpecJaxError(f"{ckpt} already holds checkpoints: pass --resume, or remove it")
     target = spec_jax.load_target(a.model)
     inits = {h.method: h for h in map(spec_jax.load_draft, a.init)}
-
     sets = [load_distill(d) for d in a.data]
     for d, (_, _, m) in zip(a.data, sets):  # every set is checked before the first target pass
         check_source(d, m, target)

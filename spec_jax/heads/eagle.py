@@ -32,12 +32,12 @@ def init_layer(cfg, key, scale, in_dim=None, input_norm=True):
 
 def init_params(cfg, key, scale=0.02, num_layers: int = 1):
     h = cfg.hidden_size
-    k1, k2, k3 = jax.random.split(key, 3)
+    k1, k2 = jax.random.split(key)  # as before extra layers existed: same one-layer heads
     dt = jnp.dtype(cfg.dtype)
     params = {"fc_w": (scale * jax.random.normal(k1, (2 * h, h))).astype(dt),
               "fc_b": jnp.zeros((h,), dt),
               "layer": init_layer(cfg, k2, scale, input_norm=False)}
-    return add_layers(params, cfg, num_layers, k3, scale)
+    return add_layers(params, cfg, num_layers, jax.random.fold_in(key, 1), scale)
 
 
 def num_layers_of(params) -> int:

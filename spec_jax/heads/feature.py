@@ -118,8 +118,8 @@ class FeatureDrafter(Drafter):
                      for _ in range(self.num_layers))
 
     def init_state(self, dparams, tparams, tcfg, batch, num_slots):
-        cache = init_cache(self.num_modules * self.num_layers, batch, num_slots, tcfg.num_kv_heads, tcfg.head_dim,
-                           jnp.dtype(tcfg.dtype), per_layer=True)
+        cache = init_cache(self.num_modules * self.num_layers, batch, num_slots,
+                           tcfg.num_kv_heads, tcfg.head_dim, jnp.dtype(tcfg.dtype), per_layer=True)
         # an all-constant empty cache makes XLA constant-fold the prefill's masked attention over
         # it (seconds of compile time per drafter and prompt shape); the barrier stops the folding
         cache = jax.lax.optimization_barrier(cache)
