@@ -108,7 +108,7 @@ def test_an_eagle_head_grown_by_a_layer_starts_where_it_was(toy):
     data = data_for(target, seqs, "eagle")
     cfg = TrainConfig(method="eagle", steps=40, batch_size=8, seq_len=SEQ, lr=3e-3, warmup=5,
                       noise=0.0, hparams=tuple(HP["eagle"].items()))
-    one, h1 = train(target, data, cfg, progress=False)
+    one, _ = train(target, data, cfg, progress=False)
     grow = dataclasses.replace(cfg, steps=20, hparams=(("num_layers", 2),))
     _, h_one = train(target, data, dataclasses.replace(grow, hparams=()), progress=False, init=one)
     two, h_two = train(target, data, grow, progress=False, init=one)
