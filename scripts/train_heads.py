@@ -18,7 +18,7 @@ import numpy as np
 import spec_jax
 from spec_jax.errors import SpecJaxError
 from spec_jax.train.distill import check_source, load_distill
-from spec_jax.train.loop import TrainConfig, feature_cache, train
+from spec_jax.train.loop import TrainConfig, eagle_hparams, feature_cache, train
 
 LR = {"eagle": 2e-3, "eagle3": 2e-3, "medusa": 2e-3, "mtp": 2e-3}
 
@@ -43,6 +43,10 @@ def main():
     ap.add_argument("--eagle-layers", type=int, default=1,
                     help="EAGLE-1/2 decoder layers (1: the paper's head); --init heads with fewer "
                          "are grown by identity layers (see spec_jax.train.loop.train)")
+    ap.add_argument("--eagle-features", choices=("pre", "post"),
+                    help="EAGLE-1/2 features: the target's final hidden states before its final "
+                         "norm (default for fresh heads), or after it (the reference's); --init "
+                         "heads keep their own")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--out-root", help="write <out-root>/<model-name>-<method> (default: beside the model)")
     ap.add_argument("--features", help="folder to keep (or reuse) the target's features in")
@@ -75,7 +79,8 @@ def main():
                           seq_len=a.seq_len, lr=a.lr or LR[m], draft_vocab=a.draft_vocab,
                           eagle_ttt_steps=a.eagle_ttt, eagle_ce_weight=a.eagle_ce_weight,
                           labels=a.labels if m != "medusa" else "hard",
-                          hparams=(("num_layers", a.eagle_layers),) if m == "eagle" else ())
+                          hparams=eagle_hparams(a.eagle_layers, a.eagle_features)
+                          if m == "eagle" else ())
         out = outs[m]
         heads, hist = train(target, data, cfg, out_dir=out, ckpt_dir=ckpts[m],
                             resume=a.resume, init=inits.get(m))

@@ -227,6 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--layers", type=int, default=1,
                    help="eagle: decoder layers of the head (1: the paper's); an --init head with "
                         "fewer is grown by identity layers")
+    t.add_argument("--eagle-features", choices=["pre", "post"],
+                   help="eagle: the target's final hidden states before its final norm (the default "
+                        "for fresh heads) or after it (the reference's); an --init head keeps its own")
     t.add_argument("--resume", action="store_true")
     t.add_argument("--force", action="store_true")
     t.add_argument("--seed", type=int, default=0)

@@ -188,7 +188,7 @@ def rank_profile(target, heads, seqs, plens, depth: int, max_rank: int = 8) -> l
             lg = medusa_logits(dparams, tparams, tcfg, feats.reshape(b * l, -1))
             logits = [lg[:, i].reshape(b, l, -1) for i in range(depth)]
         else:
-            t_feat = drafter.target_feature(dparams, tcfg, feats, aux)
+            t_feat = drafter.target_feature(dparams, tparams, tcfg, feats, aux)
             fs = unrolled_features(drafter, dparams, tparams, tcfg, toks, t_feat, depth)
             logits = [drafter.logits(dparams, tparams, tcfg, f) for f in fs]
         out = []

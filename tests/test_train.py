@@ -119,6 +119,36 @@ def test_an_eagle_head_grown_by_a_layer_starts_where_it_was(toy):
     assert mean_tau(target, prompts, two) > 3.0  # the trained head's skill survives the growth
 
 
+def test_a_post_norm_eagle_head_trains_and_stays_lossless(toy, tmp_path):
+    """features="post" (the reference EAGLE's): the head reads and regresses the target's final-norm
+    output and feeds its own output straight to the LM head; it learns, drafts losslessly, keeps
+    the setting through save and load, and a pre-norm head cannot be fine-tuned into one."""
+    from spec_jax.errors import SpecJaxError
+    from spec_jax.heads.registry import save_draft
+
+    target, prompts, seqs = toy
+    data = data_for(target, seqs, "eagle")
+    hp = {**HP["eagle"], "features": "post"}
+    cfg = TrainConfig(method="eagle", steps=200, batch_size=8, seq_len=SEQ, lr=3e-3, warmup=10,
+                      hparams=tuple(hp.items()))
+    heads, hist = train(target, data, cfg, progress=False)
+    assert heads.drafter().features == "post"
+    assert hist[-1]["loss"] < 0.5 * hist[0]["loss"] and hist[-1]["eval_acc1"] > 0.6
+    untrained = spec_jax.init_draft(target, "eagle", seed=0, **hp)
+    tau0, tau1 = mean_tau(target, prompts, untrained), mean_tau(target, prompts, heads)
+    assert tau1 > tau0 + 0.5, (tau0, tau1)
+    plain = spec_jax.generate_batch(target, prompts[:4], 24, stop_at_eos=False)
+    spec = spec_jax.generate_batch(target, prompts[:4], 24, draft=heads, stop_at_eos=False)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    save_draft(heads, tmp_path / "h")
+    assert spec_jax.load_draft(tmp_path / "h").drafter().features == "post"
+    pre = spec_jax.init_draft(target, "eagle", seed=0, **HP["eagle"])
+    with pytest.raises(SpecJaxError, match="post-norm"):
+        train(target, data, dataclasses.replace(cfg, steps=2), progress=False, init=pre)
+    with pytest.raises(SpecJaxError, match="choose 'post'"):
+        spec_jax.init_draft(target, "eagle", features="final")
+
+
 def test_batch_order_is_a_function_of_seed_and_step():
     a = [batch_indices(20, 4, s, 0).tolist() for s in range(10)]
     assert a == [batch_indices(20, 4, s, 0).tolist() for s in range(10)]

@@ -1,7 +1,12 @@
 """EAGLE-1/2 head: fc(concat(embed(token), feature)) 2H->H, one Llama decoder layer without its
 input norm (`layer`; the paper's head) and optionally more full ones (`layer_1`, ...), then the
-target's frozen final norm and LM head (over the draft vocabulary if the heads have one, see
-spec_jax.heads.vocab). EAGLE-2 = this head + dynamic tree."""
+target's frozen LM head (over the draft vocabulary if the heads have one, see
+spec_jax.heads.vocab). EAGLE-2 = this head + dynamic tree.
+
+Features (hparam `features`): "post" is the reference's — the target's final hidden states after
+its final norm (what Hugging Face returns as the last hidden state), regressed and fed straight to
+the LM head; "pre" (the heads trained before it existed) takes them before the final norm and
+applies the norm before the LM head."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,9 +14,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu_gemm import matmul
+from pallas_kernels.cpu_gemm import dot_f32, matmul
 from spec_jax.heads.feature import FeatureDrafter, draft_attention
-from spec_jax.models.llama import decoder_layer, embed, rope_table
+from spec_jax.heads.vocab import shared_head_weight
+from spec_jax.models.llama import decoder_layer, embed, rms_norm, rope_table
 
 
 def init_layer(cfg, key, scale, in_dim=None, input_norm=True):
@@ -60,6 +66,17 @@ def add_layers(params, cfg, num_layers: int, key, scale=0.02):
 @dataclasses.dataclass(frozen=True)
 class EagleDrafter(FeatureDrafter):
     method: str = "eagle"
+    features: str = "pre"  # "post": after the target's final norm, as the reference trains
+
+    def target_feature(self, dparams, tparams, tcfg, hidden, aux_hidden):
+        if self.features == "post":
+            return rms_norm(hidden, tparams["final_norm"], tcfg.rms_norm_eps)
+        return hidden
+
+    def logits(self, dparams, tparams, tcfg, feat):
+        if self.features == "post":
+            return dot_f32(feat, shared_head_weight(dparams, tparams, tcfg))
+        return super().logits(dparams, tparams, tcfg, feat)
 
     def cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache_k, cache_v,
              cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask):

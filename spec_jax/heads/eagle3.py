@@ -39,7 +39,7 @@ class Eagle3Drafter(FeatureDrafter):
     def aux_layers(self):
         return self.fused_layers
 
-    def target_feature(self, dparams, tcfg, hidden, aux_hidden):
+    def target_feature(self, dparams, tparams, tcfg, hidden, aux_hidden):
         return matmul(aux_hidden, dparams["fc_w"]).astype(hidden.dtype)
 
     def cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache_k, cache_v,

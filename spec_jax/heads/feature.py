@@ -51,8 +51,9 @@ class FeatureDrafter(Drafter):
     static_tree: StaticTree | None = None  # set: draft this fixed tree instead of a dynamic one
 
     # ---- what each method defines ----
-    def target_feature(self, dparams, tcfg, hidden, aux_hidden):
-        """Target outputs -> draft input features [B, T, H]."""
+    def target_feature(self, dparams, tparams, tcfg, hidden, aux_hidden):
+        """Target outputs (final hidden states [B, T, H], pre-norm; fused ones [B, T, 3H]) -> draft
+        input features [B, T, H], which are also what an EAGLE head's feature loss regresses."""
         return hidden
 
     def cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache_k, cache_v,
@@ -158,7 +159,7 @@ class FeatureDrafter(Drafter):
 
     def after_prefill(self, dparams, tparams, tcfg, state, ctx: PrefillContext):
         b, p = ctx.tokens.shape
-        feats = self.target_feature(dparams, tcfg, ctx.hidden, ctx.aux_hidden)
+        feats = self.target_feature(dparams, tparams, tcfg, ctx.hidden, ctx.aux_hidden)
         j = jnp.arange(p)[None, :]
         shifted = jnp.concatenate([ctx.tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
         next_tok = jnp.where(j == ctx.prompt_len[:, None] - 1, ctx.first_token[:, None], shifted)
@@ -169,7 +170,7 @@ class FeatureDrafter(Drafter):
     def after_verify(self, dparams, tparams, tcfg, state, ctx: VerifyContext):
         node, next_tok, valid = accepted_chunk(ctx)
         rows = jnp.arange(node.shape[0])[:, None]
-        feats_all = self.target_feature(dparams, tcfg, ctx.hidden, ctx.aux_hidden)
+        feats_all = self.target_feature(dparams, tparams, tcfg, ctx.hidden, ctx.aux_hidden)
         feats = feats_all[rows, node]
         positions = ctx.root_pos[:, None] + jnp.arange(node.shape[1])[None, :]
         return self._run_chunk(dparams, tparams, tcfg, state, feats, next_tok, positions, valid)

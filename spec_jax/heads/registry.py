@@ -13,7 +13,7 @@ from spec_jax.tree import StaticTree, parse_tree
 
 METHODS = ("eagle", "eagle3", "medusa", "mtp")
 DEFAULT_HPARAMS = {
-    "eagle": {"top_k": 8, "depth": 5, "total_tokens": 32, "num_layers": 1},
+    "eagle": {"top_k": 8, "depth": 5, "total_tokens": 32, "num_layers": 1, "features": "pre"},
     "eagle3": {"top_k": 8, "depth": 6, "total_tokens": 32, "draft_vocab": 8192},
     "medusa": {"num_heads": 4},
     "mtp": {"num_modules": 1, "depth": 3},
@@ -131,7 +131,8 @@ class DraftHeads:
         if self.method == "eagle":
             from spec_jax.heads.eagle import EagleDrafter
 
-            d = EagleDrafter(num_layers=hp.get("num_layers", 1), **dyn)
+            d = EagleDrafter(num_layers=hp.get("num_layers", 1), features=hp.get("features", "pre"),
+                              **dyn)
         elif self.method == "eagle3":
             from spec_jax.heads.eagle3 import Eagle3Drafter
 
@@ -151,6 +152,9 @@ def init_draft(target, method: str, seed: int = 0, scale: float = 0.02, **hparam
     if method not in METHODS:
         raise SpecJaxError(f"unknown draft method {method!r}: choose one of {', '.join(METHODS)}")
     hp = {**DEFAULT_HPARAMS[method], **hparams}
+    if method == "eagle" and hp["features"] not in ("pre", "post"):
+        raise SpecJaxError(f"EAGLE features {hp['features']!r}: choose 'post' (after the target's "
+                           "final norm, the reference's) or 'pre' (before it)")
     d2t = hp.pop("d2t", None)  # draft vocabulary (target ids); kept in params, not hparams
     key = jax.random.PRNGKey(seed)
     cfg = target.cfg

@@ -201,6 +201,10 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
         init.check_target(target)
         heads = DraftHeads(init.method, dict(init.params), dict(init.hparams), init.target_info)
         layers = dict(cfg.hparams).get("num_layers", 1)
+        want = dict(cfg.hparams).get("features", heads.hparams.get("features", "pre"))
+        if cfg.method == "eagle" and want != heads.hparams.get("features", "pre"):
+            raise SpecJaxError(f"--init heads read {heads.hparams.get('features', 'pre')}-norm "
+                               f"features, not {want}-norm: train a fresh head for {want}")
         if cfg.method == "eagle" and layers > heads.hparams.get("num_layers", 1):
             from spec_jax.heads.eagle import add_layers
 
@@ -313,6 +317,12 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
     return heads, history
 
 
+def eagle_hparams(layers: int, features: str | None) -> tuple:
+    """TrainConfig.hparams for an EAGLE head: `layers` decoder layers; `features` "pre" or "post"
+    (None: an --init head's own, "pre" for a fresh one)."""
+    return (("num_layers", layers),) + ((("features", features),) if features else ())
+
+
 def train_cli(a):
     """`spec-jax train`: distilled data -> feature cache -> training -> heads in --out."""
     import spec_jax
@@ -329,7 +339,8 @@ def train_cli(a):
     print(f"feature cache: {len(toks)} sequences x {a.seq_len} tokens in {time.time() - t0:.1f}s")
     cfg = TrainConfig(method=a.method, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len,
                       lr=a.lr, seed=a.seed, draft_vocab=a.draft_vocab,
-                      labels=a.labels, hparams=(("num_layers", a.layers),) if a.method == "eagle" else ())
+                      labels=a.labels, hparams=eagle_hparams(a.layers, a.eagle_features)
+                      if a.method == "eagle" else ())
     init = spec_jax.load_draft(a.init) if a.init else None
     heads, hist = train(target, {"tokens": toks, "mask": mask, "feats": feats, "aux": aux}, cfg,
                         out_dir=out, ckpt_dir=out.parent / f".{out.name}.ckpt", resume=a.resume,

@@ -108,7 +108,8 @@ def feature_unrolled(drafter, dparams, tparams, tcfg, batch, steps: int, key, no
     LM head over the cached features) instead of the data's next token."""
     toks, feats, mask = batch["tokens"], batch["feats"], batch["mask"].astype(jnp.float32)
     l = toks.shape[1]
-    t_feat = drafter.target_feature(dparams, tcfg, feats, batch.get("aux"))
+    clean = drafter.target_feature(dparams, tparams, tcfg, feats, batch.get("aux"))
+    t_feat = clean
     if noise > 0:
         t_feat = t_feat + noise * jax.random.uniform(key, t_feat.shape, minval=-1.0, maxval=1.0)
     total, metrics = 0.0, {}
@@ -126,7 +127,7 @@ def feature_unrolled(drafter, dparams, tparams, tcfg, batch, steps: int, key, no
         total = total + decay ** i * ce_weight * ce
         metrics[f"acc{i + 1}"] = acc
         if i == 0 and feat_loss_weight > 0:
-            target = jax.lax.stop_gradient(_shift(feats, 1))
+            target = jax.lax.stop_gradient(_shift(clean, 1))
             fl = optax.huber_loss(feat, target).mean(-1)
             total = total + feat_loss_weight * (fl * valid).sum() / jnp.maximum(valid.sum(), 1.0)
     metrics["loss"] = total
