@@ -44,8 +44,8 @@ def main():
                     help="EAGLE-1/2 decoder layers (1: the paper's head); --init heads with fewer "
                          "are grown by identity layers (see spec_jax.train.loop.train)")
     ap.add_argument("--eagle-features", choices=("pre", "post"),
-                    help="EAGLE-1/2 features: the target's final hidden states before its final "
-                         "norm (default for fresh heads), or after it (the reference's); --init "
+                    help="EAGLE-1/2 features: the target's final hidden states after its final "
+                         "norm (the reference's; default for fresh heads), or before it; --init "
                          "heads keep their own")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--out-root", help="write <out-root>/<model-name>-<method> (default: beside the model)")

@@ -128,7 +128,7 @@ def test_a_post_norm_eagle_head_trains_and_stays_lossless(toy, tmp_path):
 
     target, prompts, seqs = toy
     data = data_for(target, seqs, "eagle")
-    hp = {**HP["eagle"], "features": "post"}
+    hp = {**HP["eagle"], "features": "post"}  # the default for fresh heads, spelled out
     cfg = TrainConfig(method="eagle", steps=200, batch_size=8, seq_len=SEQ, lr=3e-3, warmup=10,
                       hparams=tuple(hp.items()))
     heads, hist = train(target, data, cfg, progress=False)
@@ -142,7 +142,7 @@ def test_a_post_norm_eagle_head_trains_and_stays_lossless(toy, tmp_path):
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     save_draft(heads, tmp_path / "h")
     assert spec_jax.load_draft(tmp_path / "h").drafter().features == "post"
-    pre = spec_jax.init_draft(target, "eagle", seed=0, **HP["eagle"])
+    pre = spec_jax.init_draft(target, "eagle", seed=0, **HP["eagle"], features="pre")
     with pytest.raises(SpecJaxError, match="post-norm"):
         train(target, data, dataclasses.replace(cfg, steps=2), progress=False, init=pre)
     with pytest.raises(SpecJaxError, match="choose 'post'"):

@@ -13,7 +13,7 @@ from spec_jax.tree import StaticTree, parse_tree
 
 METHODS = ("eagle", "eagle3", "medusa", "mtp")
 DEFAULT_HPARAMS = {
-    "eagle": {"top_k": 8, "depth": 5, "total_tokens": 32, "num_layers": 1, "features": "pre"},
+    "eagle": {"top_k": 8, "depth": 5, "total_tokens": 32, "num_layers": 1, "features": "post"},
     "eagle3": {"top_k": 8, "depth": 6, "total_tokens": 32, "draft_vocab": 8192},
     "medusa": {"num_heads": 4},
     "mtp": {"num_modules": 1, "depth": 3},

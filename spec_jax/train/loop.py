@@ -319,7 +319,7 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
 
 def eagle_hparams(layers: int, features: str | None) -> tuple:
     """TrainConfig.hparams for an EAGLE head: `layers` decoder layers; `features` "pre" or "post"
-    (None: an --init head's own, "pre" for a fresh one)."""
+    (None: an --init head's own, "post" for a fresh one)."""
     return (("num_layers", layers),) + ((("features", features),) if features else ())
 
 
