@@ -228,8 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="eagle: decoder layers of the head (1: the paper's); an --init head with "
                         "fewer is grown by identity layers")
     t.add_argument("--eagle-features", choices=["pre", "post"],
-                   help="eagle: the target's final hidden states after its final norm (the reference's; "
-                        "the default for fresh heads) or before it; an --init head keeps its own")
+                   help="eagle: the target's final hidden states after its final norm (the "
+                        "reference's; the default for fresh heads) or before it; an --init head "
+                        "keeps its own")
     t.add_argument("--resume", action="store_true")
     t.add_argument("--force", action="store_true")
     t.add_argument("--seed", type=int, default=0)

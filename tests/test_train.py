@@ -125,6 +125,7 @@ def test_a_post_norm_eagle_head_trains_and_stays_lossless(toy, tmp_path):
     the setting through save and load, and a pre-norm head cannot be fine-tuned into one."""
     from spec_jax.errors import SpecJaxError
     from spec_jax.heads.registry import save_draft
+    from spec_jax.models.llama import rms_norm
 
     target, prompts, seqs = toy
     data = data_for(target, seqs, "eagle")
@@ -132,7 +133,14 @@ def test_a_post_norm_eagle_head_trains_and_stays_lossless(toy, tmp_path):
     cfg = TrainConfig(method="eagle", steps=200, batch_size=8, seq_len=SEQ, lr=3e-3, warmup=10,
                       hparams=tuple(hp.items()))
     heads, hist = train(target, data, cfg, progress=False)
-    assert heads.drafter().features == "post"
+    d, tp = heads.drafter(), target.params
+    assert d.features == "post"
+    h = 5.0 * jax.random.normal(jax.random.PRNGKey(1), (2, 3, target.cfg.hidden_size))
+    np.testing.assert_allclose(d.target_feature(heads.params, tp, target.cfg, h, None),
+                               rms_norm(h, tp["final_norm"], target.cfg.rms_norm_eps), rtol=1e-5)
+    # its logits are the LM head's on the feature itself (scale-equivariant), not on its norm
+    lg = [d.logits(heads.params, tp, target.cfg, s * h) for s in (1.0, 3.0)]
+    np.testing.assert_allclose(lg[1], 3.0 * lg[0], rtol=1e-4, atol=1e-4)
     assert hist[-1]["loss"] < 0.5 * hist[0]["loss"] and hist[-1]["eval_acc1"] > 0.6
     untrained = spec_jax.init_draft(target, "eagle", seed=0, **hp)
     tau0, tau1 = mean_tau(target, prompts, untrained), mean_tau(target, prompts, heads)

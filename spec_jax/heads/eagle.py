@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.cpu_gemm import dot_f32, matmul
+from spec_jax.errors import SpecJaxError
 from spec_jax.heads.feature import FeatureDrafter, draft_attention
 from spec_jax.heads.vocab import shared_head_weight
 from spec_jax.models.llama import decoder_layer, embed, rms_norm, rope_table
@@ -64,10 +65,19 @@ def add_layers(params, cfg, num_layers: int, key, scale=0.02):
     return params
 
 
+def check_features(features: str) -> None:
+    if features not in ("pre", "post"):
+        raise SpecJaxError(f"EAGLE features {features!r}: choose 'post' (after the target's final "
+                           "norm, the reference's) or 'pre' (before it)")
+
+
 @dataclasses.dataclass(frozen=True)
 class EagleDrafter(FeatureDrafter):
     method: str = "eagle"
     features: str = "pre"  # "post": after the target's final norm, as the reference trains
+
+    def __post_init__(self):
+        check_features(self.features)
 
     def target_feature(self, dparams, tparams, tcfg, hidden, aux_hidden):
         if self.features == "post":

@@ -152,9 +152,10 @@ def init_draft(target, method: str, seed: int = 0, scale: float = 0.02, **hparam
     if method not in METHODS:
         raise SpecJaxError(f"unknown draft method {method!r}: choose one of {', '.join(METHODS)}")
     hp = {**DEFAULT_HPARAMS[method], **hparams}
-    if method == "eagle" and hp["features"] not in ("pre", "post"):
-        raise SpecJaxError(f"EAGLE features {hp['features']!r}: choose 'post' (after the target's "
-                           "final norm, the reference's) or 'pre' (before it)")
+    if method == "eagle":
+        from spec_jax.heads.eagle import check_features
+
+        check_features(hp["features"])
     d2t = hp.pop("d2t", None)  # draft vocabulary (target ids); kept in params, not hparams
     key = jax.random.PRNGKey(seed)
     cfg = target.cfg
