@@ -201,10 +201,11 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
         init.check_target(target)
         heads = DraftHeads(init.method, dict(init.params), dict(init.hparams), init.target_info)
         layers = dict(cfg.hparams).get("num_layers", 1)
-        want = dict(cfg.hparams).get("features", heads.hparams.get("features", "pre"))
-        if cfg.method == "eagle" and want != heads.hparams.get("features", "pre"):
-            raise SpecJaxError(f"--init heads read {heads.hparams.get('features', 'pre')}-norm "
-                               f"features, not {want}-norm: train a fresh head for {want}")
+        have = heads.hparams.get("features", "pre")  # saved without it: pre-norm
+        want = dict(cfg.hparams).get("features", have)
+        if cfg.method == "eagle" and want != have:
+            raise SpecJaxError(f"--init heads read {have}-norm features, not {want}-norm: train a "
+                               f"fresh head for {want}")
         if cfg.method == "eagle" and layers > heads.hparams.get("num_layers", 1):
             from spec_jax.heads.eagle import add_layers
 
