@@ -66,6 +66,11 @@ def add_layers(params, cfg, num_layers: int, key, scale=0.02):
     return params
 
 
+def features_of(hparams) -> str:
+    """The features setting of saved EAGLE hparams; heads saved before it existed read pre-norm."""
+    return hparams.get("features", "pre")
+
+
 def check_features(features: str) -> None:
     if features not in ("pre", "post"):
         raise SpecJaxError(f"EAGLE features {features!r}: choose 'post' (after the target's final "

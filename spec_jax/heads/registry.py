@@ -129,10 +129,9 @@ class DraftHeads:
             raise SpecJaxError(f"total_tokens {dyn['total_tokens']} exceeds what top_k {dyn['top_k']} "
                                f"and depth {dyn['depth']} can propose")
         if self.method == "eagle":
-            from spec_jax.heads.eagle import EagleDrafter
+            from spec_jax.heads.eagle import EagleDrafter, features_of
 
-            d = EagleDrafter(num_layers=hp.get("num_layers", 1), features=hp.get("features", "pre"),
-                              **dyn)
+            d = EagleDrafter(num_layers=hp.get("num_layers", 1), features=features_of(hp), **dyn)
         elif self.method == "eagle3":
             from spec_jax.heads.eagle3 import Eagle3Drafter
 

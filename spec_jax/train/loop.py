@@ -24,6 +24,7 @@ import numpy as np
 import optax
 
 from spec_jax.errors import SpecJaxError
+from spec_jax.heads.eagle import features_of
 from spec_jax.heads.registry import DraftHeads, init_draft, save_draft
 from spec_jax.heads.vocab import DERIVED, frequent_tokens
 from spec_jax.train import losses
@@ -201,7 +202,7 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
         init.check_target(target)
         heads = DraftHeads(init.method, dict(init.params), dict(init.hparams), init.target_info)
         layers = dict(cfg.hparams).get("num_layers", 1)
-        have = heads.hparams.get("features", "pre")  # saved without it: pre-norm
+        have = features_of(heads.hparams)
         want = dict(cfg.hparams).get("features", have)
         if cfg.method == "eagle" and want != have:
             raise SpecJaxError(f"--init heads read {have}-norm features, not {want}-norm: train a "
