@@ -103,3 +103,31 @@ def test_broken_acceptance_rule_is_detected(small_vocab_target):
     counts = empirical(small_vocab_target, make_draft(small_vocab_target, "eagle"), "dynamic:3,3,8",
                        accept_rule="broken")
     assert chi2_pvalue(counts, probs) < 1e-6
+
+
+def nucleus_by_sorting(logits, temperature, top_p):
+    """The textbook definition: sort, keep the smallest prefix with mass >= top_p (ties at its
+    edge included), renormalise; top_p = 1 keeps every token."""
+    z = logits / temperature
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    if top_p >= 1:
+        return p
+    out = np.zeros_like(p)
+    for i, row in enumerate(p.reshape(-1, p.shape[-1])):
+        s = np.sort(row)[::-1]
+        k = int(np.argmax(np.cumsum(s, dtype=np.float64) >= top_p))
+        kept = np.where(row >= s[k], row, 0.0)
+        out.reshape(-1, p.shape[-1])[i] = kept / kept.sum()
+    return out
+
+
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.99, 1.0])
+def test_target_probs_matches_sorted_nucleus(top_p):
+    rng = np.random.RandomState(0)
+    logits = np.concatenate([rng.randn(2, 3, 2000) * s for s in (0.3, 3.0, 8.0)]).astype(np.float32)
+    logits[0, 0, :4] = 5.0  # a tie at the top
+    got = np.asarray(target_probs(jnp.asarray(logits), 0.7, top_p))
+    want = nucleus_by_sorting(logits.astype(np.float64), 0.7, top_p)
+    np.testing.assert_array_equal(got > 1e-20, want > 1e-20)  # the same tokens kept
+    np.testing.assert_allclose(got, want, atol=1e-6)
