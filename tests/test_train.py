@@ -187,7 +187,7 @@ def test_balanced_mix_takes_files_in_turn(tmp_path):
     assert [p.text for p in bal] != [p.text for p in order_prompts(d, seed=1, mix="balanced")]
 
 
-def test_distill_refuses_eval_prompts_and_a_changed_mix(tmp_path):
+def test_distill_refuses_eval_prompts_and_changed_settings(tmp_path):
     import json
 
     from spec_jax.errors import SpecJaxError
@@ -202,8 +202,13 @@ def test_distill_refuses_eval_prompts_and_a_changed_mix(tmp_path):
     out.mkdir()
     (out / "manifest.json").write_text(json.dumps({"samples": 0, "seed": 0}))  # proportional
     np.savez(out / "tokens.npz", prompt_len=np.zeros((0,), np.int32))
+    prompts = _prompt_dir(tmp_path)
     with pytest.raises(SpecJaxError, match="mix 'proportional'"):
-        distill(None, _prompt_dir(tmp_path), out, mix="balanced")
+        distill(None, prompts, out, mix="balanced")
+    (out / "manifest.json").write_text(json.dumps({"samples": 0, "seed": 0, "mix": "balanced",
+                                                   "temperature": 0.7}))
+    with pytest.raises(SpecJaxError, match="temperature 0.7"):
+        distill(None, prompts, out, mix="balanced")  # greedy samples onto a sampled set
 
 
 def test_eagle_training_time_test_trains_the_later_steps(toy):

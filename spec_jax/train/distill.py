@@ -93,11 +93,13 @@ def distill(target, data_dir, out_dir, num_prompts=1000, max_new_tokens=160, bat
     if (out_dir / "manifest.json").is_file():
         seqs, plens, manifest = load_distill(out_dir)
         done = len(seqs)
-        was = (manifest.get("seed"), manifest.get("mix", "proportional"), manifest.get("start", 0))
-        if was != (seed, mix, start):
-            raise SpecJaxError(f"{out_dir} was written with seed {was[0]}, mix {was[1]!r} and start "
-                               f"{was[2]}: extend it with the same settings, or write a new set to "
-                               "another --out")
+        was = (manifest.get("seed"), manifest.get("mix", "proportional"), manifest.get("start", 0),
+               manifest.get("temperature", 0.0), manifest.get("max_new_tokens", max_new_tokens))
+        if was != (seed, mix, start, temperature, max_new_tokens):
+            raise SpecJaxError(f"{out_dir} was written with seed {was[0]}, mix {was[1]!r}, start "
+                               f"{was[2]}, temperature {was[3]} and max_new_tokens {was[4]}: "
+                               "extend it with the same settings, or write a new set to another "
+                               "--out")
     todo = prompts[start + done:start + num_prompts]
     t0 = time.time()
     new_tokens = 0
