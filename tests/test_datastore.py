@@ -201,12 +201,13 @@ def test_shipped_distilled_sets_agree_with_the_shipped_datastore():
     from spec_jax.train.distill import load_distill
 
     root = Path(__file__).resolve().parent.parent / "checkpoints"
-    sets = sorted((root / "smollm2-135m-instruct-distill").glob("balanced-*"))
+    sets = sorted((root / "smollm2-135m-instruct-distill").glob("*-*-*"))
     assert sets, "checkpoints/smollm2-135m-instruct-distill/ holds no sets"
-    for d in sets:
+    for d in sets:  # balanced-<start>-<end>: greedy, seed 0; sampled-<start>-<end>: temperature > 0
         seqs, plens, m = load_distill(d)
-        lo, hi = map(int, d.name.split("-")[1:])
-        assert (m["start"], m["samples"], m["mix"]) == (lo, hi - lo, "balanced")
+        kind, lo, hi = d.name.split("-")
+        assert (m["start"], m["samples"], m["mix"]) == (int(lo), int(hi) - int(lo), "balanced")
+        assert (m["temperature"] > 0) == (kind == "sampled"), d.name
         assert m["response_tokens"] == sum(len(s) - p for s, p in zip(seqs, plens))
     seqs, plens, _ = load_distill(root / "smollm2-135m-instruct-distill" / "balanced-0-3072")
     docs = np.load(root / "smollm2-135m-instruct-datastore" / "tokens.npz")["tokens"]
