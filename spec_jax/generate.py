@@ -35,13 +35,14 @@ def _bucket(n: int, step: int) -> int:
 
 
 def resolve_drafter(target: Target, draft, tree, batch: int = 1, attn_impl: str = "auto",
-                    datastore=None) -> tuple[Drafter, Any]:
+                    datastore=None, temperature: float = 0.0, top_p: float = 1.0) -> tuple[Drafter, Any]:
     """(drafter, draft params) from the `draft=` argument of generate; `attn_impl` is the draft
     model's attention (feature drafters).
 
     For heads, `tree=None` takes the tree sized for this device, model, heads, batch (and
     datastore) if one was (see `spec_jax.sizing`), else the method's default; `tree="auto"` sizes
-    it now if it was not. With a `datastore` (spec_jax.heads.datastore), its chain is grafted on:
+    it now if it was not. Sampling (temperature > 0) has trees sized for its (temperature, top_p):
+    `None` falls back to the greedy sizing, `"auto"` sizes for the setting. With a `datastore` (spec_jax.heads.datastore), its chain is grafted on:
     `+ds:N` tokens where the tree says, as sized for `auto`, else 8."""
     from spec_jax.heads.graft import split_datastore, split_graft, with_datastore, with_graft
     from spec_jax.heads.ngram import NgramDrafter
@@ -67,9 +68,13 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1, attn_impl: str 
         draft.check_target(target)
         base, graft_n = split_graft(tree)
         if base in (None, "auto"):
-            chosen = sizing.cached_tree(target, draft, batch, datastore)
+            sampling = dict(temperature=temperature, top_p=top_p) if temperature > 0 else {}
+            chosen = sizing.cached_tree(target, draft, batch, datastore, **sampling)
+            if chosen is None and base is None and sampling:
+                chosen = sizing.cached_tree(target, draft, batch, datastore)
             if chosen is None and base == "auto":
-                chosen, _ = sizing.size_tree(target, draft, batch=batch, datastore=datastore)
+                chosen, _ = sizing.size_tree(target, draft, batch=batch, datastore=datastore,
+                                             **sampling)
             chosen, sized_ds = split_datastore(chosen)
             if ds_n is None and chosen is not None:  # the sizing weighed the datastore: its call
                 ds_n = 0 if chosen == sizing.PLAIN else sized_ds
@@ -101,7 +106,8 @@ def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 
 
     draft: None (plain decoding), "ngram", or heads from `init_draft`/`load_draft`.
     tree: for heads, None (the tree sized for this device if one was, else the method's default),
-    "auto" (size it now if it was not: a one-off measurement, see `spec_jax.sizing`),
+    "auto" (size it now if it was not: a one-off measurement, see `spec_jax.sizing`; with
+    temperature > 0, for that temperature and top_p),
     "dynamic:TOP_K,DEPTH,TOTAL", "mc_sim_7b_63", "medusa", "chain:N", or a list of paths;
     "TREE+ngram:N" grafts the n-gram chain of the context on, "TREE+ds:N" the datastore's; a
     switch ({"switch": [...], "policy": [...]}, spec_jax.heads.switch) picks per row and step
@@ -135,7 +141,8 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128,
     b = len(ids)
     p_len = max(len(x) for x in ids)
     p_pad = _bucket(p_len, 64)
-    drafter, dparams = resolve_drafter(target, draft, tree, b, attn_impl, datastore)
+    drafter, dparams = resolve_drafter(target, draft, tree, b, attn_impl, datastore,
+                                       temperature=temperature, top_p=top_p)
     n_slots = _bucket(p_pad + max_new_tokens + 2 * drafter.tree_size + drafter.max_depth + 1, 128)
     if p_len + max_new_tokens > target.cfg.max_position_embeddings:
         raise SpecJaxError(f"prompt ({p_len}) + max_new_tokens ({max_new_tokens}) exceeds the model's "

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from pallas_kernels.cpu_argmax import argmax
 from spec_jax.tree import Tree
 
+NUCLEUS_TOP_K = 64  # probabilities read for the nucleus before falling back to bisection
+
 
 class Verdict(NamedTuple):
     path: jax.Array  # [B, D+1] accepted node ids (root first), -1 padded
@@ -27,43 +29,121 @@ class Verdict(NamedTuple):
     bonus: jax.Array  # [B] the target's token after the path
 
 
+def _bisect_threshold(probs, top_p):
+    """The nucleus threshold by bisection over the bit patterns of non-negative floats (31
+    masked sums over V): every row, whatever its shape. probs [..., V] -> [..., 1]."""
+    def kept_mass(bits):
+        t = jax.lax.bitcast_convert_type(bits, jnp.float32)
+        return jnp.sum(jnp.where(probs >= t, probs, 0.0), axis=-1, keepdims=True)
+
+    def halve(_, lo_hi):
+        lo, hi = lo_hi
+        mid = lo + (hi - lo) // 2
+        ok = kept_mass(mid) >= top_p
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+
+    lo = jnp.zeros(probs.shape[:-1] + (1,), jnp.int32)  # t = 0 keeps everything
+    hi = jnp.full_like(lo, jax.lax.bitcast_convert_type(jnp.float32(1.0), jnp.int32) + 1)
+    lo, _ = jax.lax.fori_loop(0, 31, halve, (lo, hi))
+    return jax.lax.bitcast_convert_type(lo, jnp.float32)
+
+
+def nucleus_threshold(probs, top_p):
+    """Nucleus (top-p): keep every token with p >= t for the largest t whose kept mass is still
+    >= top_p — the smallest set of most likely tokens with that mass, ties at its edge included.
+    probs [..., V] -> t [..., 1].
+
+    Read off a row's NUCLEUS_TOP_K largest probabilities when their mass reaches top_p (for
+    SmolLM2 at temperature 0.7 and top_p 0.9, 99% of rows), else by bisection
+    (`_bisect_threshold`): of those rows alone while they are at most an eighth of all, of all
+    rows otherwise. Never by sorting V: XLA's CPU sort of [32, 49152] took ~0.7 s."""
+    lead, v = probs.shape[:-1], probs.shape[-1]
+    flat = probs.reshape(-1, v)
+    top = jax.lax.top_k(flat, min(NUCLEUS_TOP_K, v))[0]  # [N, k] descending
+    cum = jnp.cumsum(top, axis=-1)
+    short = cum[:, -1] < top_p  # [N] rows whose top-k mass is below top_p
+    t = jnp.take_along_axis(top, jnp.argmax(cum >= top_p, axis=-1)[:, None], axis=-1)
+    few = max(1, flat.shape[0] // 8)
+
+    def some_rows():
+        idx = jnp.nonzero(short, size=few, fill_value=0)[0]
+        return t.at[idx].set(jnp.where(short[idx, None], _bisect_threshold(flat[idx], top_p), t[idx]))
+
+    def all_rows():
+        return jnp.where(short[:, None], _bisect_threshold(flat, top_p), t)
+
+    n_short = jnp.sum(short)
+    t = jax.lax.cond(n_short == 0, lambda: t,
+                     lambda: jax.lax.cond(n_short <= few, some_rows, all_rows))
+    return t.reshape(lead + (1,))
+
+
+def _processed(logits, temperature, top_p):
+    """Temperature and nucleus as numbers to apply: (z [..., V] scaled logits, zmax and norm
+    [..., 1] with softmax(z) = exp(z - zmax) / norm, t [..., 1] the nucleus threshold on those
+    probabilities, mass [..., 1] the kept mass). The processed probability of x is
+    exp(z_x - zmax) / norm / mass where that is >= t, else 0. top_p >= 1 skips the nucleus
+    (t = 0, mass = 1)."""
+    z = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+    zmax = jnp.max(z, axis=-1, keepdims=True)
+    norm = jnp.sum(jnp.exp(z - zmax), axis=-1, keepdims=True)
+    ones = jnp.ones_like(norm)
+
+    def nucleus():
+        p = jnp.exp(z - zmax) / norm
+        t = nucleus_threshold(p, top_p)
+        return t, jnp.sum(jnp.where(p >= t, p, 0.0), axis=-1, keepdims=True)
+
+    t, mass = jax.lax.cond(top_p < 1.0, nucleus, lambda: (jnp.zeros_like(norm), ones))
+    return z, zmax, norm, t, mass
+
+
 def target_probs(logits, temperature, top_p):
-    """Processed target distribution: temperature, then nucleus (top-p). logits [..., V] f32.
+    """Processed target distribution: temperature, then nucleus (top-p). logits [..., V] f32."""
+    z, zmax, norm, t, mass = _processed(logits, temperature, top_p)
+    p = jnp.exp(z - zmax) / norm
+    return jnp.where(p >= t, p, 0.0) / mass
 
-    Nucleus keeps the smallest set of most likely tokens with mass >= top_p (ties at its edge
-    included): every token with p >= t for the largest t whose kept mass is still >= top_p. t is
-    found by bisection over the bit patterns of non-negative floats (31 masked sums over V)
-    rather than by sorting V: XLA's CPU sort of [32, 49152] took ~0.7 s, more than a whole
-    decode step. top_p >= 1 skips it."""
-    logits = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
-    probs = jax.nn.softmax(logits, axis=-1)
 
-    def nucleus(probs):
-        def kept_mass(bits):
-            t = jax.lax.bitcast_convert_type(bits, jnp.float32)
-            return jnp.sum(jnp.where(probs >= t, probs, 0.0), axis=-1, keepdims=True)
+SAMPLE_BLOCK = 128  # tokens per block of the two-level inverse-CDF sampler
 
-        def halve(_, lo_hi):
-            lo, hi = lo_hi
-            mid = lo + (hi - lo) // 2
-            ok = kept_mass(mid) >= top_p
-            return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
 
-        lo = jnp.zeros(probs.shape[:-1] + (1,), jnp.int32)  # t = 0 keeps everything
-        hi = jnp.full_like(lo, jax.lax.bitcast_convert_type(jnp.float32(1.0), jnp.int32) + 1)
-        lo, _ = jax.lax.fori_loop(0, 31, halve, (lo, hi))
-        kept = jnp.where(probs >= jax.lax.bitcast_convert_type(lo, jnp.float32), probs, 0.0)
-        return kept / jnp.sum(kept, axis=-1, keepdims=True)
+def _first_above(cum, u, weights):
+    """Index of the first entry of cum [B, N] above u [B, 1] (cum: running sums of weights
+    [B, N]); the last positive weight where rounding left u at or above the total."""
+    n = cum.shape[-1]
+    i = jnp.sum(cum <= u, axis=-1)
+    last = n - 1 - jnp.argmax((weights > 0)[:, ::-1], axis=-1)
+    return jnp.where(i < n, i, last).astype(jnp.int32)
 
-    return jax.lax.cond(top_p < 1.0, nucleus, lambda p: p, probs)
+
+def sample_categorical(key, weights):
+    """One index per row with probability weights / their sum. weights [B, V] >= 0, some > 0.
+
+    Inverse CDF in two levels: pick a block of SAMPLE_BLOCK tokens by its mass, then a token in
+    it, so one pass over V and two short running sums, where `jax.random.categorical` draws V
+    Gumbel variates (1.8 ms per row on this CPU, more than the rest of a sampled verify); the
+    running sums stay short, so their rounding stays at float32's last bit. A zero weight is
+    never drawn."""
+    b, v = weights.shape
+    nb = -(-v // SAMPLE_BLOCK)
+    w = jnp.pad(weights, ((0, 0), (0, nb * SAMPLE_BLOCK - v))).reshape(b, nb, SAMPLE_BLOCK)
+    sums = jnp.sum(w, axis=-1)  # [B, nb]
+    cum = jnp.cumsum(sums, axis=-1)
+    u = jax.random.uniform(key, (b, 1), jnp.float32) * cum[:, -1:]
+    blk = _first_above(cum, u, sums)
+    rows = jnp.arange(b)
+    inner = w[rows, blk]  # [B, SAMPLE_BLOCK]
+    u_in = u - (cum[rows, blk] - sums[rows, blk])[:, None]
+    tok = _first_above(jnp.cumsum(inner, axis=-1), u_in, inner)
+    return blk * SAMPLE_BLOCK + tok
 
 
 def sample_token(logits, key, greedy: bool, temperature, top_p):
     """One token per row from logits [B, V]."""
     if greedy:
         return argmax(logits)
-    p = target_probs(logits, temperature, top_p)
-    return jax.random.categorical(key, jnp.log(p), axis=-1).astype(jnp.int32)
+    return sample_categorical(key, target_probs(logits, temperature, top_p))
 
 
 def greedy_walk(best, tree: Tree, max_depth: int) -> Verdict:
@@ -91,7 +171,15 @@ def greedy_walk(best, tree: Tree, max_depth: int) -> Verdict:
 def verify(logits, tree: Tree, key, *, greedy: bool, max_depth: int, temperature=1.0,
            top_p=1.0, accept_rule: str = "exact") -> Verdict:
     """The accepted path and bonus token. logits [B, T, V] are the target's at every node.
-    Greedy: `greedy_walk`. Sampling: walk the tree from the root, as the module docstring says.
+
+    Greedy: `greedy_walk` over the argmax at every node. Sampling: the module docstring's walk in
+    closed form. At a node whose children hold tokens x1..xk (processed probabilities p1..pk),
+    trying them in order accepts child c with probability pc exactly (after x1..xc-1 were
+    rejected the residual's mass is 1 - p1 - ... - pc-1), so one uniform u per node picks the
+    first c with u < p1 + ... + pc, or none. Picks are made for every node at once and
+    `greedy_walk` follows them; the bonus is drawn at the node where the walk stops from its
+    distribution less its children's tokens (all rejected there, or none: a leaf). Only the
+    [B, T, K] probabilities of the children's tokens are read, plus one [B, V] row for the bonus.
 
     accept_rule="broken" accepts any child whose target probability exceeds 0 (a deliberately
     wrong rule that tests use to show that the losslessness test has teeth)."""
@@ -100,35 +188,32 @@ def verify(logits, tree: Tree, key, *, greedy: bool, max_depth: int, temperature
     b, t, v = logits.shape
     k = tree.children.shape[-1]
     rows = jnp.arange(b)
-    probs = target_probs(logits, temperature, top_p)  # [B, T, V]
-    keys = jax.random.split(key, max_depth * k + 1)
-
-    cur = jnp.zeros((b,), jnp.int32)
-    alive = jnp.ones((b,), bool)
-    p = probs[rows, cur]
-    path = jnp.full((b, max_depth + 1), -1, jnp.int32).at[:, 0].set(0)
-    n_acc = jnp.ones((b,), jnp.int32)
-    for d in range(max_depth):
-        accepted = jnp.zeros((b,), bool)
-        nxt = cur
-        for c in range(k):
-            child = tree.children[rows, cur, c]  # [B]
-            has = alive & ~accepted & (child >= 0)
-            tok = tree.tokens[rows, jnp.maximum(child, 0)]
-            px = p[rows, tok]
-            u = jax.random.uniform(keys[d * k + c], (b,))
-            if accept_rule == "broken":
-                ok = has & (px > 0)
-            else:
-                ok = has & (u * jnp.sum(p, axis=-1) < px)
-            # rejected: remove x from the residual
-            p = jnp.where((has & ~ok)[:, None], p.at[rows, tok].set(0.0), p)
-            nxt = jnp.where(ok, child, nxt)
-            accepted = accepted | ok
-        cur = nxt
-        p = jnp.where(accepted[:, None], probs[rows, cur], p)
-        path = path.at[:, d + 1].set(jnp.where(accepted, cur, -1))
-        n_acc = n_acc + accepted.astype(jnp.int32)
-        alive = alive & accepted
-    bonus = jax.random.categorical(keys[-1], jnp.log(p), axis=-1).astype(jnp.int32)
-    return Verdict(path=path, n_accepted=n_acc, bonus=bonus)
+    z, zmax, norm, thr, mass = _processed(logits, temperature, top_p)  # [B, T, V], [B, T, 1] x4
+    valid = tree.children >= 0  # [B, T, K]
+    ctok = jnp.take_along_axis(tree.tokens, jnp.maximum(tree.children, 0).reshape(b, t * k), axis=1)
+    ctok = ctok.reshape(b, t, k)
+    pc = jnp.exp(jnp.take_along_axis(z, ctok, axis=2) - zmax) / norm
+    pc = jnp.where(pc >= thr, pc, 0.0) / mass  # [B, T, K] processed p of each child's token
+    # a child repeating an earlier sibling's token (grafts can) is tried after that token was
+    # rejected, so it is never picked; `greedy_walk` still follows the deeper of the equal paths,
+    # which changes no token
+    earlier = jnp.tril(jnp.ones((k, k), bool), -1)  # [c, c'] c' < c
+    dup = jnp.any((ctok[..., :, None] == ctok[..., None, :]) & valid[..., None, :] & earlier, -1)
+    pc = jnp.where(valid & ~dup, pc, 0.0)
+    k_u, k_bonus = jax.random.split(key)
+    if accept_rule == "broken":
+        pick = pc > 0
+    else:
+        pick = jax.random.uniform(k_u, (b, t, 1)) < jnp.cumsum(pc, axis=-1)
+    first = jnp.argmax(pick, axis=-1)[..., None]  # [B, T, 1]
+    chosen = jnp.where(jnp.any(pick, -1), jnp.take_along_axis(ctok, first, axis=-1)[..., 0], -1)
+    walk = greedy_walk(chosen, tree, max_depth)
+    cur = walk.path[rows, walk.n_accepted - 1]
+    p = jnp.exp(z[rows, cur] - zmax[rows, cur]) / norm[rows, cur]  # [B, V]
+    p = jnp.where(p >= thr[rows, cur], p, 0.0)
+    gone = jnp.zeros((b, v), bool).at[rows[:, None], ctok[rows, cur]].max(valid[rows, cur])
+    residual = jnp.where(gone, 0.0, p)
+    # rejections can leave only a rounding error's worth of mass; sampling needs some left
+    residual = jnp.where(jnp.sum(residual, -1, keepdims=True) > 0, residual, p)
+    bonus = sample_categorical(k_bonus, residual)
+    return Verdict(path=walk.path, n_accepted=walk.n_accepted, bonus=bonus)

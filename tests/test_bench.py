@@ -130,6 +130,34 @@ def test_sized_tree_is_cached_per_heads(tiny_target, tmp_path, monkeypatch):
     assert r.token_ids == spec_jax.generate(tiny_target, [1, 2, 3], 6, chat=False).token_ids
 
 
+def test_sampled_sizing_is_cached_per_setting(tiny_target, tmp_path, monkeypatch):
+    """Sizing for sampling (temperature > 0) is its own cache entry per (temperature, top_p):
+    greedy decoding never takes it; sampling at a setting never sized takes the greedy sizing
+    with tree=None."""
+    import spec_jax
+    from spec_jax.generate import resolve_drafter
+    from spec_jax.sizing import _store, cached_tree, calibration_key, size_tree
+
+    monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
+    heads = spec_jax.init_draft(tiny_target, "eagle", seed=1, scale=0.3)
+    tree, report = size_tree(tiny_target, heads, [[1, 2, 3, 4], [5, 6, 7]], max_new_tokens=8,
+                             sizes=(2, 4), progress=False, temperature=0.8, top_p=0.9)
+    assert (report["temperature"], report["top_p"]) == (0.8, 0.9)
+    assert cached_tree(tiny_target, heads, temperature=0.8, top_p=0.9) == tree
+    assert cached_tree(tiny_target, heads) is None
+    assert cached_tree(tiny_target, heads, temperature=0.7, top_p=0.9) is None
+    _store(calibration_key(tiny_target, heads, 1), {"tree": [[0], [1]]})  # a greedy sizing
+    assert resolve_drafter(tiny_target, heads, None)[0].tree_size == 3
+    assert resolve_drafter(tiny_target, heads, None, temperature=0.7, top_p=0.9)[0].tree_size == 3
+    assert (resolve_drafter(tiny_target, heads, None, temperature=0.8, top_p=0.9)[0]
+            == resolve_drafter(tiny_target, heads, "auto", temperature=0.8, top_p=0.9)[0])
+    r = spec_jax.generate(tiny_target, [1, 2, 3], 6, chat=False, draft=heads, temperature=0.8,
+                          top_p=0.9, seed=4)
+    assert r.token_ids == spec_jax.generate(tiny_target, [1, 2, 3], 6, chat=False, draft=heads,
+                                            tree="auto", temperature=0.8, top_p=0.9,
+                                            seed=4).token_ids
+
+
 def test_verify_latency_is_shared_across_calibrations_by_its_fastest_reading(
         tiny_target, tmp_path, monkeypatch):
     """Each drafter's calibration re-measures the same target: the curve kept (and used) is the

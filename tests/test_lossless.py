@@ -131,3 +131,14 @@ def test_target_probs_matches_sorted_nucleus(top_p):
     want = nucleus_by_sorting(logits.astype(np.float64), 0.7, top_p)
     np.testing.assert_array_equal(got > 1e-20, want > 1e-20)  # the same tokens kept
     np.testing.assert_allclose(got, want, atol=1e-6)
+
+
+def test_nucleus_bisects_only_the_rows_that_need_it():
+    """One flat row among peaked ones: its top-k mass falls short of top_p, so it alone is bisected."""
+    rng = np.random.RandomState(1)
+    logits = (rng.randn(16, 2000) * 8).astype(np.float32)
+    logits[3] = rng.randn(2000) * 0.3
+    got = np.asarray(target_probs(jnp.asarray(logits), 0.7, 0.9))
+    want = nucleus_by_sorting(logits.astype(np.float64), 0.7, 0.9)
+    np.testing.assert_array_equal(got > 1e-20, want > 1e-20)
+    np.testing.assert_allclose(got, want, atol=1e-6)
