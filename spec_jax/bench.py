@@ -87,22 +87,26 @@ def markdown(rows) -> str:
 
 
 def run_bench(target, drafts: dict[str, tuple[Any, Any]], prompt_sets: dict[str, list],
-              max_new_tokens: int, progress=True, datastore=None) -> list[Run]:
+              max_new_tokens: int, progress=True, datastore=None, temperature: float = 0.0,
+              top_p: float = 1.0, seed: int = 0) -> list[Run]:
     """drafts: name -> (draft, tree); prompt_sets: name -> [Prompt]. Interleaved by prompt.
-    `datastore` serves the drafts whose tree has +ds:N."""
+    `datastore` serves the drafts whose tree has +ds:N. Greedy, or sampled at (temperature,
+    top_p) with seed `seed + i` for the i-th prompt, the same for every method."""
     import spec_jax
     from tqdm import tqdm
 
     from spec_jax.generate import resolve_drafter
 
     for draft, tree in drafts.values():  # a tree that cannot be drafted fails now, not minutes in
-        resolve_drafter(target, draft, tree, datastore=datastore if uses_datastore(tree) else None)
+        resolve_drafter(target, draft, tree, datastore=datastore if uses_datastore(tree) else None,
+                        temperature=temperature, top_p=top_p)
     runs = []
     items = [(s, p) for s, ps in prompt_sets.items() for p in ps]
-    for pset, p in tqdm(items, disable=not progress, desc="bench"):
+    for i, (pset, p) in enumerate(tqdm(items, disable=not progress, desc="bench")):
         for name, (draft, tree) in drafts.items():
             kw = {"draft": draft, "tree": tree,
-                  "datastore": datastore if uses_datastore(tree) else None}
+                  "datastore": datastore if uses_datastore(tree) else None,
+                  "temperature": temperature, "top_p": top_p, "seed": seed + i}
             r = spec_jax.generate(target, p.text, max_new_tokens, **kw)
             if r.stats["compile_seconds"] > 0:  # first use of this shape: run again, compiled
                 c = r.stats["compile_seconds"]
@@ -130,8 +134,10 @@ def method_histograms(runs: list[Run]) -> dict[str, list[int]]:
     return out
 
 
-def transformers_peer(target, prompts, max_new_tokens, mode="greedy") -> list[Run]:
-    """transformers' greedy generate or prompt-lookup decoding on the same weights (if installed)."""
+def transformers_peer(target, prompts, max_new_tokens, mode="greedy", temperature: float = 0.0,
+                      top_p: float = 1.0, seed: int = 0) -> list[Run]:
+    """transformers' generate (greedy, or sampling with the same temperature and top_p) or its
+    prompt-lookup decoding on the same weights (if installed)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -140,17 +146,20 @@ def transformers_peer(target, prompts, max_new_tokens, mode="greedy") -> list[Ru
     model = AutoModelForCausalLM.from_pretrained(str(Path(target.path) / "hf"),
                                                  dtype=torch.float32).eval()
     kw = {"prompt_lookup_num_tokens": 10} if mode == "prompt_lookup" else {}
+    kw.update({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+              if temperature > 0 else {"do_sample": False})
     runs = []
     with torch.no_grad():
-        for pset, p in prompts:
+        for i, (pset, p) in enumerate(prompts):
             ids = torch.tensor([target.encode(p.text)])
-            model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=2, **kw)
+            model.generate(ids, max_new_tokens=4, pad_token_id=2, **kw)
+            torch.manual_seed(seed + i)
             t0 = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=2,
-                                 **kw)
+            out = model.generate(ids, max_new_tokens=max_new_tokens, pad_token_id=2, **kw)
             wall = time.perf_counter() - t0
             n = out.shape[1] - ids.shape[1]
-            runs.append(Run(method=f"transformers-{mode}", prompt_set=pset, category=p.category,
+            label = "sample" if mode == "greedy" and temperature > 0 else mode
+            runs.append(Run(method=f"transformers-{label}", prompt_set=pset, category=p.category,
                             new_tokens=n, steps=0, wall=wall, compile_s=0.0,  # tau not observable
                             tree_tokens=1))
     return runs
@@ -225,6 +234,9 @@ def bench_cli(a):
     calib = None
     if a.calibrate_on:
         calib = calibration_prompts(read_prompts(a.calibrate_on), [p for ps in sets.values() for p in ps])
+    if a.temperature < 0 or not 0 < a.top_p <= 1:
+        raise SpecJaxError("--temperature must be >= 0 and --top-p in (0, 1]")
+    sampling = dict(temperature=a.temperature, top_p=a.top_p) if a.temperature > 0 else {}
     drafts: dict[str, tuple] = {"plain": (None, None)}
     sized = set()  # heads sized in this run (--calibrate sizes each once)
     for spec in a.drafts:
@@ -238,7 +250,8 @@ def bench_cli(a):
         fresh = bool(a.calibrate or a.calibrate_on) and name not in sized
         base, ds_n = split_datastore(tree or None)
         if base == "auto" or fresh:
-            chosen, report = size_tree(target, heads, calib, use_cache=not fresh, datastore=ds)
+            chosen, report = size_tree(target, heads, calib, use_cache=not fresh, datastore=ds,
+                                       **sampling)
             sized.add(name)
             (out / f"sizing_{heads.method}.json").write_text(json.dumps(report, indent=1))
             _plot_curve(report, out / f"sizing_{heads.method}.png")
@@ -248,11 +261,11 @@ def bench_cli(a):
                 if not ds_n:
                     tree = chosen if chosen != PLAIN else "plain"
         drafts[label] = (None, None) if tree == "plain" else (heads, tree or None)
-    runs = run_bench(target, drafts, sets, a.max_new_tokens, datastore=ds)
+    runs = run_bench(target, drafts, sets, a.max_new_tokens, datastore=ds, seed=a.seed, **sampling)
     items = [(s, p) for s, ps in sets.items() for p in ps]
     for mode in ("greedy", "prompt_lookup"):
         try:
-            runs += transformers_peer(target, items, a.max_new_tokens, mode)
+            runs += transformers_peer(target, items, a.max_new_tokens, mode, seed=a.seed, **sampling)
         except Exception as e:  # a missing peer is reported, never fatal
             print(f"(transformers {mode} peer skipped: {e})")
     sizes = sorted({r.tree_tokens for r in runs})
@@ -260,7 +273,9 @@ def bench_cli(a):
     rows = summarize(runs, verify_time=lambda t: vt.get(t, 0.0))
     table = markdown(rows)
     print(f"\nmachine: {jax.default_backend()} ({jax.devices()[0].device_kind}), "
-          f"{a.max_new_tokens} new tokens, greedy, batch 1\n")
+          f"{a.max_new_tokens} new tokens, "
+          + (f"sampled at temperature {a.temperature:g}, top_p {a.top_p:g}" if sampling else "greedy")
+          + ", batch 1\n")
     print(table)
     (out / "results.json").write_text(json.dumps({"rows": rows, "verify_latency": vt,
                                                   "runs": [dataclasses.asdict(r) for r in runs]},

@@ -246,6 +246,11 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--out", default="bench_out")
     b.add_argument("--datastore", default=None,
                    help="datastore folder for drafts whose tree has +ds:N")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (the default); > 0: every method and peer samples, and "
+                        "HEADS@auto is sized for sampling at this temperature and --top-p")
+    b.add_argument("--top-p", type=float, default=1.0)
+    b.add_argument("--seed", type=int, default=0, help="prompt i is sampled with seed + i")
     b.add_argument("--calibrate", action="store_true",
                    help="size the tree of every heads afresh (HEADS@auto sizes once, cached) and "
                         "print and plot the curve it was chosen from")

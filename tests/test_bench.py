@@ -317,3 +317,26 @@ def test_a_bad_tree_fails_before_any_run(tiny_target, monkeypatch):
     with pytest.raises(SpecJaxError, match="list of rank lists"):
         run_bench(tiny_target, drafts, {"s": []}, 8, progress=False)
     assert runs == []
+
+
+def test_a_sampled_bench_gives_every_method_the_same_seed_per_prompt(tiny_target, monkeypatch):
+    """Sampled runs: each call gets the temperature and top_p, and prompt i the seed seed + i
+    whatever the method, so methods differ only in how they draft."""
+    import spec_jax
+    from spec_jax.bench import run_bench
+    from spec_jax.data import Prompt
+
+    calls = []
+    real = spec_jax.generate
+
+    def spy(target, prompt, max_new_tokens, **kw):
+        calls.append((tuple(prompt), kw["draft"], kw["temperature"], kw["top_p"], kw["seed"]))
+        return real(target, prompt, max_new_tokens, **kw)
+
+    monkeypatch.setattr(spec_jax, "generate", spy)
+    prompts = [Prompt(source="s", id=str(i), category="c", text=t) for i, t in enumerate([[1, 2], [3, 4]])]
+    runs = run_bench(tiny_target, {"plain": (None, None), "ngram": ("ngram", None)}, {"s": prompts},
+                     4, progress=False, temperature=0.8, top_p=0.9, seed=7)
+    assert len(runs) == 4
+    seeds = {(p, d): seed for p, d, t, tp, seed in calls if (t, tp) == (0.8, 0.9)}
+    assert seeds == {((1, 2), None): 7, ((1, 2), "ngram"): 7, ((3, 4), None): 8, ((3, 4), "ngram"): 8}

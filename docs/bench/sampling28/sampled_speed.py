@@ -2,7 +2,8 @@
 tree's children with full-vocabulary updates, Gumbel sampling over V) and of session 28 (closed-form
 picks over [B, T, K], two-level inverse-CDF sampling, nucleus from the top 64). SmolLM2, 8 MT-bench
 prompts spread over the categories, 128 new tokens, temperature 0.7; EAGLE with the tree sized for
-batch 1 (greedy sizing, cached). Run from the repository root after `bash scripts/main.sh`."""
+batch 1 (greedy sizing, cached). Run from the repository root after `bash scripts/main.sh`;
+`python sampled_speed.py plain 1 1.0` runs one pair (drafter, batch, top_p) only."""
 import importlib.util
 import sys
 from pathlib import Path
@@ -26,9 +27,12 @@ if tree is None:
     sys.exit("no sized tree for batch 1: run `spec-jax demo` (or generate with tree='auto') first")
 prompts = [p.text for p in spread(read_prompts("../shared/data/eval/mt_bench"), 8)]
 print(f"EAGLE tree: {tree_name(tree)}")
+only = sys.argv[1:4]
 for b in (1, 8):
     for top_p in (1.0, 0.9):
         for name, draft in (("plain", None), ("EAGLE", eagle)):
+            if only and [name.lower(), str(b), str(top_p)] != [x.lower() for x in only]:
+                continue
             res = {}
             for label, mod in (("before", old), ("now", new)):
                 step.verify, step.sample_token = mod.verify, mod.sample_token
