@@ -223,6 +223,8 @@ def bench_cli(a):
     import spec_jax
     from spec_jax.data import read_prompts, spread
 
+    if a.temperature < 0 or not 0 < a.top_p <= 1:
+        raise SpecJaxError("--temperature must be >= 0 and --top-p in (0, 1]")
     target = spec_jax.load_target(a.model)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -234,8 +236,6 @@ def bench_cli(a):
     calib = None
     if a.calibrate_on:
         calib = calibration_prompts(read_prompts(a.calibrate_on), [p for ps in sets.values() for p in ps])
-    if a.temperature < 0 or not 0 < a.top_p <= 1:
-        raise SpecJaxError("--temperature must be >= 0 and --top-p in (0, 1]")
     sampling = dict(temperature=a.temperature, top_p=a.top_p) if a.temperature > 0 else {}
     drafts: dict[str, tuple] = {"plain": (None, None)}
     sized = set()  # heads sized in this run (--calibrate sizes each once)
