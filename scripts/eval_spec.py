@@ -4,10 +4,13 @@ For every prompt of ../shared/data/eval (MT-bench and Vicuna-bench first turns, 
 plain greedy decoding and speculative decoding (batched, greedy), then prints per drafter and set:
 prompts compared, prompts whose tokens differ from plain decoding, and tau (mean accepted tokens
 per target call). With --rotate, each prompt is checked with one drafter in turn (all drafters
-over all prompts would take hours on 2 CPU cores).
+over all prompts would take hours on 2 CPU cores). With --temperature > 0 it samples (chunk j of
+a set with seed --seed + j) and reports tau only: sampled output is not comparable token for token.
 
     python scripts/eval_spec.py --drafts ngram random:eagle random:eagle3 random:medusa random:mtp --rotate
     python scripts/eval_spec.py --drafts checkpoints/smollm2-135m-instruct-eagle --limit 20
+    python scripts/eval_spec.py --drafts "checkpoints/smollm2-135m-instruct-eagle@dynamic:8,5,32" \
+        --sets mt_bench --limit 16 --temperature 0.7
 """
 import argparse
 import json
@@ -44,9 +47,14 @@ def main():
     ap.add_argument("--sets", nargs="+", default=list(SETS), choices=list(SETS))
     ap.add_argument("--tau-only", action="store_true", help="skip plain decoding (no equality check)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled tau (implies --tau-only)")
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--datastore", default=None, help="for drafts whose tree has +ds:N")
     ap.add_argument("--layers", default="scan", help="scan compiles much faster than unrolled")
     a = ap.parse_args()
+    a.tau_only = a.tau_only or a.temperature > 0
+    sampling = {"temperature": a.temperature, "top_p": a.top_p}
     target = spec_jax.load_target(a.model, layers=a.layers)
     drafts = {d: load_draft(target, d) for d in a.drafts}
     ds = spec_jax.load_datastore(a.datastore) if a.datastore else None
@@ -68,7 +76,8 @@ def main():
             for i in range(0, len(ps), a.batch):
                 chunk = ps[i:i + a.batch]
                 spec = spec_jax.generate_batch(target, chunk, a.max_new_tokens, draft=draft, tree=tree,
-                                               datastore=ds if uses_datastore(tree) else None)
+                                               datastore=ds if uses_datastore(tree) else None,
+                                               seed=a.seed + i // a.batch, **sampling)
                 plain = None if a.tau_only else spec_jax.generate_batch(target, chunk, a.max_new_tokens)
                 s = stats[(name, set_name)]
                 for i_, s_ in enumerate(spec):
