@@ -236,7 +236,7 @@ def bench_cli(a):
     calib = None
     if a.calibrate_on:
         calib = calibration_prompts(read_prompts(a.calibrate_on), [p for ps in sets.values() for p in ps])
-    sampling = dict(temperature=a.temperature, top_p=a.top_p) if a.temperature > 0 else {}
+    sampling = dict(temperature=a.temperature, top_p=a.top_p)  # temperature 0: greedy
     drafts: dict[str, tuple] = {"plain": (None, None)}
     sized = set()  # heads sized in this run (--calibrate sizes each once)
     for spec in a.drafts:
@@ -274,7 +274,8 @@ def bench_cli(a):
     table = markdown(rows)
     print(f"\nmachine: {jax.default_backend()} ({jax.devices()[0].device_kind}), "
           f"{a.max_new_tokens} new tokens, "
-          + (f"sampled at temperature {a.temperature:g}, top_p {a.top_p:g}" if sampling else "greedy")
+          + (f"sampled at temperature {a.temperature:g}, top_p {a.top_p:g}" if a.temperature > 0
+             else "greedy")
           + ", batch 1\n")
     print(table)
     (out / "results.json").write_text(json.dumps({"rows": rows, "verify_latency": vt,

@@ -42,8 +42,9 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1, attn_impl: str 
     For heads, `tree=None` takes the tree sized for this device, model, heads, batch (and
     datastore) if one was (see `spec_jax.sizing`), else the method's default; `tree="auto"` sizes
     it now if it was not. Sampling (temperature > 0) has trees sized for its (temperature, top_p):
-    `None` falls back to the greedy sizing, `"auto"` sizes for the setting. With a `datastore` (spec_jax.heads.datastore), its chain is grafted on:
-    `+ds:N` tokens where the tree says, as sized for `auto`, else 8."""
+    `None` falls back to the greedy sizing, `"auto"` sizes for the setting. With a `datastore`
+    (spec_jax.heads.datastore), its chain is grafted on: `+ds:N` tokens where the tree says, as
+    sized for `auto`, else 8."""
     from spec_jax.heads.graft import split_datastore, split_graft, with_datastore, with_graft
     from spec_jax.heads.ngram import NgramDrafter
     from spec_jax.heads.registry import DraftHeads
@@ -68,13 +69,12 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1, attn_impl: str 
         draft.check_target(target)
         base, graft_n = split_graft(tree)
         if base in (None, "auto"):
-            sampling = dict(temperature=temperature, top_p=top_p) if temperature > 0 else {}
-            chosen = sizing.cached_tree(target, draft, batch, datastore, **sampling)
-            if chosen is None and base is None and sampling:
+            chosen = sizing.cached_tree(target, draft, batch, datastore, temperature, top_p)
+            if chosen is None and base is None and temperature > 0:
                 chosen = sizing.cached_tree(target, draft, batch, datastore)
             if chosen is None and base == "auto":
                 chosen, _ = sizing.size_tree(target, draft, batch=batch, datastore=datastore,
-                                             **sampling)
+                                             temperature=temperature, top_p=top_p)
             chosen, sized_ds = split_datastore(chosen)
             if ds_n is None and chosen is not None:  # the sizing weighed the datastore: its call
                 ds_n = 0 if chosen == sizing.PLAIN else sized_ds

@@ -543,13 +543,13 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if progress else (lambda *a: None)
     t_start = time.perf_counter()
     texts = [getattr(p, "text", p) for p in (prompts or DEFAULT_PROMPTS)]
-    sampling = dict(temperature=temperature, top_p=top_p) if temperature > 0 else {}
+    top_p = top_p if temperature > 0 else 1.0  # greedy decoding has no nucleus
     say(f"sizing the draft tree for {heads.method} heads on {jax.devices()[0].device_kind}, "
         f"batch {batch}" + (f", sampling at temperature {temperature:g}, top_p {top_p:g}"
-                            if sampling else "") + f" (once; cached in {cache_file()}) ...")
+                            if temperature > 0 else "") + f" (once; cached in {cache_file()}) ...")
     groups = [(texts[i:] + texts * batch)[:batch] for i in range(0, len(texts), batch)]
     measure = lambda tree: _measure(target, groups, max_new_tokens, tree, heads, datastore,  # noqa: E731
-                                    **sampling)
+                                    temperature, top_p)
     measured = [measure(PLAIN)]
     # plain decoding's outputs are the continuations (greedy or sampled) the profile runs along
     seqs, plens = [], []

@@ -87,22 +87,28 @@ def _processed(logits, temperature, top_p):
     z = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
     zmax = jnp.max(z, axis=-1, keepdims=True)
     norm = jnp.sum(jnp.exp(z - zmax), axis=-1, keepdims=True)
-    ones = jnp.ones_like(norm)
 
     def nucleus():
         p = jnp.exp(z - zmax) / norm
         t = nucleus_threshold(p, top_p)
         return t, jnp.sum(jnp.where(p >= t, p, 0.0), axis=-1, keepdims=True)
 
-    t, mass = jax.lax.cond(top_p < 1.0, nucleus, lambda: (jnp.zeros_like(norm), ones))
+    t, mass = jax.lax.cond(top_p < 1.0, nucleus,
+                           lambda: (jnp.zeros_like(norm), jnp.ones_like(norm)))
     return z, zmax, norm, t, mass
+
+
+def _kept(z, zmax, norm, t):
+    """softmax probabilities exp(z - zmax) / norm, 0 below the nucleus threshold t (not yet
+    divided by the kept mass); z may be a gather of the scaled logits."""
+    p = jnp.exp(z - zmax) / norm
+    return jnp.where(p >= t, p, 0.0)
 
 
 def target_probs(logits, temperature, top_p):
     """Processed target distribution: temperature, then nucleus (top-p). logits [..., V] f32."""
     z, zmax, norm, t, mass = _processed(logits, temperature, top_p)
-    p = jnp.exp(z - zmax) / norm
-    return jnp.where(p >= t, p, 0.0) / mass
+    return _kept(z, zmax, norm, t) / mass
 
 
 SAMPLE_BLOCK = 128  # tokens per block of the two-level inverse-CDF sampler
@@ -192,8 +198,8 @@ def verify(logits, tree: Tree, key, *, greedy: bool, max_depth: int, temperature
     valid = tree.children >= 0  # [B, T, K]
     ctok = jnp.take_along_axis(tree.tokens, jnp.maximum(tree.children, 0).reshape(b, t * k), axis=1)
     ctok = ctok.reshape(b, t, k)
-    pc = jnp.exp(jnp.take_along_axis(z, ctok, axis=2) - zmax) / norm
-    pc = jnp.where(pc >= thr, pc, 0.0) / mass  # [B, T, K] processed p of each child's token
+    # [B, T, K] processed p of each child's token
+    pc = _kept(jnp.take_along_axis(z, ctok, axis=2), zmax, norm, thr) / mass
     # a child repeating an earlier sibling's token (grafts can) is tried after that token was
     # rejected, so it is never picked; `greedy_walk` still follows the deeper of the equal paths,
     # which changes no token
@@ -209,8 +215,7 @@ def verify(logits, tree: Tree, key, *, greedy: bool, max_depth: int, temperature
     chosen = jnp.where(jnp.any(pick, -1), jnp.take_along_axis(ctok, first, axis=-1)[..., 0], -1)
     walk = greedy_walk(chosen, tree, max_depth)
     cur = walk.path[rows, walk.n_accepted - 1]
-    p = jnp.exp(z[rows, cur] - zmax[rows, cur]) / norm[rows, cur]  # [B, V]
-    p = jnp.where(p >= thr[rows, cur], p, 0.0)
+    p = _kept(z[rows, cur], zmax[rows, cur], norm[rows, cur], thr[rows, cur])  # [B, V]
     gone = jnp.zeros((b, v), bool).at[rows[:, None], ctok[rows, cur]].max(valid[rows, cur])
     residual = jnp.where(gone, 0.0, p)
     # rejections can leave only a rounding error's worth of mass; sampling needs some left
