@@ -148,6 +148,29 @@ def children_table(parent, k: int):
     return kids[..., :k]
 
 
+def best_nodes_tree(root, tok, score, parent, depth, n_pick: int, max_depth: int, k: int) -> Tree:
+    """A pool of candidate nodes -> the tree of the root and the pool's `n_pick` best-scored nodes
+    (EAGLE-2's final selection).
+
+    root [B]; tok, score (cumulative log-probability), parent (pool index, -1 for a child of the
+    root), depth: [B, P], every parent before its children. A child never scores above its parent,
+    so the best nodes include their ancestors; ties go to the shallower node. k bounds the
+    children kept per node."""
+    b, pool = tok.shape
+    rows = jnp.arange(b)[:, None]
+    _, picked = jax.lax.top_k(score - 1e-4 * depth.astype(jnp.float32), n_pick)
+    picked = jnp.sort(picked, axis=1)  # pool order: parents precede children
+    inv = jnp.full((b, pool), -1, jnp.int32)
+    inv = inv.at[rows, picked].set(jnp.arange(1, n_pick + 1, dtype=jnp.int32))
+    par_pool = parent[rows, picked]
+    par = jnp.where(par_pool < 0, 0, inv[rows, jnp.maximum(par_pool, 0)])
+    par = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), par], 1)
+    tokens = jnp.concatenate([root[:, None], tok[rows, picked]], 1).astype(jnp.int32)
+    dep = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), depth[rows, picked]], 1)
+    return Tree(tokens=tokens, parent=par, depth=dep, mask=ancestor_mask(par, max_depth),
+                children=children_table(par, k))
+
+
 def static_tree_batch(tree: StaticTree, tokens, batch: int) -> Tree:
     """Wrap per-step tokens [B, T] with a static tree's structure."""
     parent, depth, _, mask, children, _ = tree.arrays()

@@ -68,7 +68,7 @@ def chi2_pvalue(counts, probs):
 CASES = [("plain", None), ("ngram", None), ("eagle", "dynamic:3,3,8"),
          ("eagle", "dynamic:2,2,4+ngram:3"), ("eagle", "dynamic:2,2,4+ngram:2+ds:3"),
          ("eagle", "[[0],[1],[0,0],[0,1],[1,0],[0,0,0]]"), ("eagle3", "dynamic:2,3,6"),
-         ("medusa", "[[0],[1],[2],[0,0],[1,0],[0,0,0]]"), ("mtp", None),
+         ("medusa", "[[0],[1],[2],[0,0],[1,0],[0,0,0]]"), ("medusa", "dynamic:3,3,7"), ("mtp", None),
          ("eagle", {"switch": [{"base": [[0], [1], [0, 0]], "ngram": 0},
                                {"base": [], "ngram": 3}], "policy": [0, 0, 1]})]
 

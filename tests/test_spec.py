@@ -14,7 +14,8 @@ SMALL_TREES = {
     "eagle": ["dynamic:3,3,8", "chain:2", "mc_sim_7b_63", "dynamic:3,3,8+ngram:3", SWITCH],
     "eagle3": ["dynamic:2,4,7", "[[0],[1],[0,0],[1,0],[0,1],[0,0,0]]"],
     "mtp": [None, "[[0],[1],[0,0],[0,0,0],[0,0,1]]"],
-    "medusa": ["[[0],[1],[0,0],[1,0],[0,1],[0,0,0]]", "chain:2", "chain:2+ngram:4", SWITCH],
+    "medusa": ["[[0],[1],[0,0],[1,0],[0,1],[0,0,0]]", "chain:2", "chain:2+ngram:4", SWITCH,
+               "dynamic:3,3,8", "dynamic:2,4,6+ngram:3"],
 }
 
 
@@ -151,6 +152,43 @@ def test_random_heads_accept_little_but_work(tiny_target, heads):
 def test_medusa_tree_deeper_than_heads_is_an_error(tiny_target, heads):
     with pytest.raises(SpecJaxError, match="exceeds the 4 Medusa heads"):
         spec_jax.generate(tiny_target, [1], 4, draft=heads["medusa"], tree="chain:5")
+
+
+def test_dynamic_medusa_tree_keeps_the_best_scored_paths(tiny_target, heads):
+    """dynamic:K,D,N on Medusa heads: the N - 1 nodes of highest summed head log-probability among
+    the candidates (a depth-d node: a top-K child of one of the K best nodes at depth d - 1)."""
+    import jax
+    import jax.numpy as jnp
+
+    from spec_jax.heads.medusa import medusa_logits
+
+    h = heads["medusa"]
+    cfg, tp = tiny_target.cfg, tiny_target.params
+    hidden = jax.random.normal(jax.random.PRNGKey(3), (3, cfg.hidden_size))
+    logp = np.asarray(jax.nn.log_softmax(medusa_logits(h.params, tp, cfg, hidden), -1))
+    k, depth, n = 3, 3, 9
+    d = h.drafter(f"dynamic:{k},{depth},{n}")
+    assert (d.tree_size, d.max_depth, d.max_children) == (n, depth, k)
+    tree = d.propose(h.params, tp, cfg, d.init_state(h.params, tp, cfg, 3, 8).replace(hidden=hidden),
+                     jnp.asarray([5, 6, 7]), None)[0]
+    for b in range(3):
+        top = np.argsort(-logp[b], axis=-1, kind="stable")[:, :k]  # [heads, k]
+        pool, frontier = {}, [()]
+        for dd in range(depth):
+            cands = {p + (t,): sum(logp[b, i, q] for i, q in enumerate(p + (t,)))
+                     for p in frontier for t in top[dd]}
+            pool.update(cands)
+            frontier = sorted(cands, key=lambda p: -cands[p])[:k]
+        want = set(sorted(pool, key=lambda p: -pool[p])[:n - 1])
+        tok, par = np.asarray(tree.tokens[b]), np.asarray(tree.parent[b])
+
+        def path(i):
+            return () if i == 0 else path(par[i]) + (int(tok[i]),)
+
+        assert tok[0] == 5 + b and {path(i) for i in range(1, n)} == want
+        assert np.all(np.asarray(tree.depth[b]) == [len(path(i)) for i in range(n)])
+    with pytest.raises(SpecJaxError, match="total_tokens must be"):
+        h.drafter("dynamic:2,2,8")
 
 
 def test_heads_for_another_target_are_refused(tiny_target, heads):

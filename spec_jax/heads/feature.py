@@ -28,7 +28,7 @@ from spec_jax.cache import KVCache, commit, init_cache
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext, accepted_chunk
 from spec_jax.heads.vocab import shared_head_logits, topk_logp
 from spec_jax.models.llama import causal_mask
-from spec_jax.tree import StaticTree, Tree, ancestor_mask, children_table, static_tree_batch
+from spec_jax.tree import StaticTree, Tree, best_nodes_tree, static_tree_batch
 
 
 @flax.struct.dataclass
@@ -101,10 +101,6 @@ class FeatureDrafter(Drafter):
         if self.static_tree is not None:
             return self.static_tree.arrays()[4].shape[1]
         return self.top_k
-
-    @property
-    def pool_size(self) -> int:
-        return self.top_k + (self.depth - 1) * self.top_k * self.top_k
 
     def _attend_cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache: KVCache,
                      extra_k, extra_v, extra_mask, own_mask):
@@ -220,24 +216,9 @@ class FeatureDrafter(Drafter):
                 self_bit = jax.nn.one_hot(slot0 + par, n_buf, dtype=bool)
                 f_anc = f_anc[rows, par] | self_bit
             base += k * k
-        tok_all = jnp.concatenate(pool_tok, 1)
-        score_all = jnp.concatenate(pool_score, 1)
-        parent_all = jnp.concatenate(pool_parent, 1)
-        depth_all = jnp.concatenate(pool_depth, 1)
-        n_pick = self.total_tokens - 1
-        # prefer shallower nodes on ties so an ancestor is never dropped before its descendant
-        key_score = score_all - 1e-4 * depth_all.astype(jnp.float32)
-        _, picked = jax.lax.top_k(key_score, n_pick)
-        picked = jnp.sort(picked, axis=1)  # pool order: parents precede children
-        inv = jnp.full((b, self.pool_size), -1, jnp.int32)
-        inv = inv.at[rows, picked].set(jnp.arange(1, n_pick + 1, dtype=jnp.int32))
-        par_pool = parent_all[rows, picked]
-        parent = jnp.where(par_pool < 0, 0, inv[rows, jnp.maximum(par_pool, 0)])
-        parent = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parent], 1)
-        tokens = jnp.concatenate([root[:, None], tok_all[rows, picked]], 1)
-        dep = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), depth_all[rows, picked]], 1)
-        tree = Tree(tokens=tokens.astype(jnp.int32), parent=parent, depth=dep,
-                    mask=ancestor_mask(parent, depth), children=children_table(parent, k))
+        tree = best_nodes_tree(root, jnp.concatenate(pool_tok, 1), jnp.concatenate(pool_score, 1),
+                               jnp.concatenate(pool_parent, 1), jnp.concatenate(pool_depth, 1),
+                               self.total_tokens - 1, depth, k)
         return tree, state
 
     def _propose_static(self, dparams, tparams, tcfg, state: FeatureState, root) -> Tree:

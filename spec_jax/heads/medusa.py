@@ -1,6 +1,11 @@
 """Medusa heads: K residual blocks x + SiLU(W x + b) (W zero-initialised) on the target's
 normalised last hidden state; head i proposes the token i+2 ahead. The candidates form a static
-tree whose node at depth d with rank r takes the r-th best token of head d-1.
+tree whose node at depth d with rank r takes the r-th best token of head d-1, or a dynamic one
+(`dynamic`: top_k, depth, total_tokens): EAGLE-2's selection over the heads' log-probabilities,
+with the heads' independent guesses standing in for a drafter's successive ones — a node at depth
+d scores the sum of the log-probabilities of its path's tokens under heads 0..d-1, the top_k best
+nodes of each depth take the top_k tokens of the next head as children, and the tree keeps the
+total_tokens - 1 best nodes. The heads run once either way.
 
 By default every head reads through the target's frozen LM head (`shared_lm_head`); K separate
 vocab-sized heads cost K times the LM head's memory traffic per step, which a small target on a
@@ -16,9 +21,9 @@ import jax.numpy as jnp
 from pallas_kernels import cpu_gemm
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
-from spec_jax.heads.vocab import shared_head_weight, to_target_ids
+from spec_jax.heads.vocab import shared_head_weight, to_target_ids, topk_logp
 from spec_jax.models.llama import rms_norm
-from spec_jax.tree import MEDUSA_DEFAULT, StaticTree, static_tree_batch
+from spec_jax.tree import MEDUSA_DEFAULT, StaticTree, best_nodes_tree, static_tree_batch
 
 
 def init_params(cfg, key, scale=0.0, num_heads: int = 4, own_lm_heads: bool = False):
@@ -52,27 +57,34 @@ class MedusaDrafter(Drafter):
     method: str = "medusa"
     tree: StaticTree = StaticTree.from_paths(MEDUSA_DEFAULT)
     num_heads: int = 4
+    dynamic: tuple[int, int, int] | None = None  # (top_k, depth, total_tokens): used instead of tree
 
     def __post_init__(self):
-        if self.tree.max_depth > self.num_heads:
-            raise SpecJaxError(f"tree depth {self.tree.max_depth} exceeds the {self.num_heads} Medusa "
+        if self.max_depth > self.num_heads:
+            raise SpecJaxError(f"tree depth {self.max_depth} exceeds the {self.num_heads} Medusa "
                                "heads: use a tree no deeper than the number of heads")
+        if self.dynamic is not None:
+            k, d, n = self.dynamic
+            if min(k, d) < 1 or not 1 < n <= k + (d - 1) * k * k + 1:
+                raise SpecJaxError(f"cannot draft a dynamic Medusa tree of {n} tokens with top_k "
+                                   f"{k} and depth {d}: total_tokens must be 2 to top_k + "
+                                   "(depth - 1) * top_k**2 + 1")
 
     @property
     def tree_size(self):
-        return self.tree.size
+        return self.tree.size if self.dynamic is None else self.dynamic[2]
 
     @property
     def max_depth(self):
-        return self.tree.max_depth
+        return self.tree.max_depth if self.dynamic is None else self.dynamic[1]
 
     @property
     def max_children(self):
-        return self.tree.arrays()[4].shape[1]
+        return self.tree.arrays()[4].shape[1] if self.dynamic is None else self.dynamic[0]
 
     def proposing(self, tree: StaticTree):
         """This drafter proposing the static `tree` (its state does not depend on the tree)."""
-        return dataclasses.replace(self, tree=tree)
+        return dataclasses.replace(self, tree=tree, dynamic=None)
 
     def init_state(self, dparams, tparams, tcfg, batch, num_slots):
         return MedusaState(hidden=jnp.zeros((batch, tcfg.hidden_size), jnp.dtype(tcfg.dtype)))
@@ -87,6 +99,8 @@ class MedusaDrafter(Drafter):
         return MedusaState(hidden=jnp.where(ctx.active[:, None], ctx.hidden[rows, last], state.hidden))
 
     def propose(self, dparams, tparams, tcfg, state, root, key):
+        if self.dynamic is not None:
+            return self._propose_dynamic(dparams, tparams, tcfg, state, root), state
         parent, depth, rank, _, _, _ = self.tree.arrays()
         b = root.shape[0]
         logits = medusa_logits(dparams, tparams, tcfg, state.hidden)  # [B, K, V]
@@ -96,3 +110,26 @@ class MedusaDrafter(Drafter):
         tok = to_target_ids(dparams, top[:, head, jnp.asarray(rank[1:])])  # [B, T-1]
         tokens = jnp.concatenate([root[:, None], tok.astype(jnp.int32)], axis=1)
         return static_tree_batch(self.tree, tokens, b), state
+
+    def _propose_dynamic(self, dparams, tparams, tcfg, state, root):
+        k, depth, total = self.dynamic
+        b = root.shape[0]
+        logits = medusa_logits(dparams, tparams, tcfg, state.hidden)[:, :depth]  # [B, D, V]
+        logp, tok = topk_logp(logits, dparams, k)  # [B, D, k]
+        pool_tok, pool_score = [tok[:, 0]], [logp[:, 0]]
+        pool_parent = [jnp.full((b, k), -1, jnp.int32)]
+        f_idx = jnp.broadcast_to(jnp.arange(k, dtype=jnp.int32), (b, k))  # frontier: pool ids
+        f_score = logp[:, 0]
+        base = k
+        for d in range(1, depth):
+            score = (f_score[:, :, None] + logp[:, d][:, None, :]).reshape(b, k * k)
+            pool_tok.append(jnp.broadcast_to(tok[:, d][:, None, :], (b, k, k)).reshape(b, k * k))
+            pool_score.append(score)
+            pool_parent.append(jnp.repeat(f_idx, k, axis=1))
+            f_score, top_i = jax.lax.top_k(score, k)
+            f_idx = base + top_i
+            base += k * k
+        depths = jnp.concatenate([jnp.full((b, k if d == 0 else k * k), d + 1, jnp.int32)
+                                  for d in range(depth)], 1)
+        return best_nodes_tree(root, jnp.concatenate(pool_tok, 1), jnp.concatenate(pool_score, 1),
+                               jnp.concatenate(pool_parent, 1), depths, total - 1, depth, k)

@@ -103,7 +103,8 @@ class DraftHeads:
             if isinstance(t, StaticTree):
                 kw["tree"] = t
             elif isinstance(t, dict):
-                raise SpecJaxError("Medusa uses a static tree: pass a list of paths or 'medusa'")
+                kw["dynamic"] = (t.get("top_k", 8), t.get("depth", hp["num_heads"]),
+                                 t.get("total_tokens", 32))
             else:  # the default tree, cut to the number of heads
                 from spec_jax.tree import MEDUSA_DEFAULT
 
