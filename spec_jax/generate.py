@@ -127,22 +127,49 @@ def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 
     return batch[0]
 
 
+def _row_settings(value, name: str, b: int) -> np.ndarray:
+    """A sampling setting given once or per prompt -> float32 [b]."""
+    v = np.asarray(value, np.float32)
+    if v.ndim == 0:
+        return np.full((b,), v, np.float32)
+    if v.shape != (b,):
+        raise SpecJaxError(f"{name} has {v.size} values for {b} prompts: give one value, or one "
+                           "per prompt")
+    return v
+
+
+def sizing_setting(temperature: np.ndarray, top_p: np.ndarray) -> tuple[float, float]:
+    """The (temperature, top_p) a batch's tree is sized for: greedy if every row is greedy, else
+    the commonest setting of its sampling rows (a batch with any sampling row verifies by
+    sampling), the first row's among equals."""
+    sampled = [(float(t), float(p)) for t, p in zip(temperature, top_p) if t > 0]
+    if not sampled:
+        return 0.0, 1.0
+    return max(sampled, key=sampled.count)
+
+
 def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128, *,
-                   temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
-                   draft=None, tree=None, attn_impl: str = "auto", stop_at_eos: bool = True,
-                   accept_rule: str = "exact", precision: str | None = None,
-                   datastore=None) -> list[GenerationResult]:
-    """Like `generate` for several prompts at once (one batch, per-row lengths and acceptance)."""
+                   temperature: float | Sequence[float] = 0.0, top_p: float | Sequence[float] = 1.0,
+                   seed: int = 0, chat: bool = True, draft=None, tree=None,
+                   attn_impl: str = "auto", stop_at_eos: bool = True, accept_rule: str = "exact",
+                   precision: str | None = None, datastore=None) -> list[GenerationResult]:
+    """Like `generate` for several prompts at once (one batch, per-row lengths and acceptance).
+
+    temperature and top_p: one value for every prompt, or one per prompt (requests with their own
+    sampling settings in one batch; a row with temperature 0 decodes greedily, exactly as alone).
+    The tree is sized for `sizing_setting` of them."""
     if max_new_tokens < 1:
         raise SpecJaxError("max_new_tokens must be at least 1")
-    if temperature < 0 or not (0 < top_p <= 1):
+    b = len(prompts)
+    temps, top_ps = _row_settings(temperature, "temperature", b), _row_settings(top_p, "top_p", b)
+    if np.any(temps < 0) or not np.all((top_ps > 0) & (top_ps <= 1)):
         raise SpecJaxError("temperature must be >= 0 and top_p in (0, 1]")
     ids = [target.encode(p, chat=chat) for p in prompts]
-    b = len(ids)
     p_len = max(len(x) for x in ids)
     p_pad = _bucket(p_len, 64)
+    size_t, size_p = sizing_setting(temps, top_ps)
     drafter, dparams = resolve_drafter(target, draft, tree, b, attn_impl, datastore,
-                                       temperature=temperature, top_p=top_p)
+                                       temperature=size_t, top_p=size_p)
     n_slots = _bucket(p_pad + max_new_tokens + 2 * drafter.tree_size + drafter.max_depth + 1, 128)
     if p_len + max_new_tokens > target.cfg.max_position_embeddings:
         raise SpecJaxError(f"prompt ({p_len}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
@@ -150,13 +177,13 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128,
     tokens = np.zeros((b, p_pad), np.int32)
     for i, x in enumerate(ids):
         tokens[i, :len(x)] = x
-    greedy = temperature == 0.0
+    greedy = not np.any(temps > 0)
     settings = LoopSettings(max_new_tokens=max_new_tokens, greedy=greedy,
                             eos_ids=target.eos_ids if stop_at_eos else (), attn_impl=attn_impl,
                             accept_rule=accept_rule)
     cache = target.new_cache(b, n_slots)
     args = (target.params, dparams, jnp.asarray(tokens), jnp.asarray([len(x) for x in ids], jnp.int32),
-            cache, jax.random.PRNGKey(seed), jnp.float32(temperature), jnp.float32(top_p))
+            cache, jax.random.PRNGKey(seed), jnp.asarray(temps), jnp.asarray(top_ps))
     dsig = (jax.tree.structure(dparams),
             tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(dparams)))
     precision = loop_precision(target.cfg, precision)

@@ -93,7 +93,8 @@ def _emit(state_out, n_out, finish, new, count, eos_ids, max_new, active):
 
 def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperature, top_p, *,
              cfg: ModelConfig, drafter: Drafter, settings: LoopSettings):
-    """Prefill + speculative loop. tokens [B, P] right-padded, prompt_len [B]. Pure; jit it."""
+    """Prefill + speculative loop. tokens [B, P] right-padded, prompt_len [B], temperature and
+    top_p [B] (per row; read only when the settings are not greedy). Pure; jit it."""
     b, p = tokens.shape
     n_slots = cache.num_slots
     t_size, depth = drafter.tree_size, drafter.max_depth

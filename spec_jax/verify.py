@@ -31,7 +31,8 @@ class Verdict(NamedTuple):
 
 def _bisect_threshold(probs, top_p):
     """The nucleus threshold by bisection over the bit patterns of non-negative floats (31
-    masked sums over V): every row, whatever its shape. probs [..., V] -> [..., 1]."""
+    masked sums over V): every row, whatever its shape. probs [..., V], top_p [..., 1] or a
+    scalar -> [..., 1]."""
     def kept_mass(bits):
         t = jax.lax.bitcast_convert_type(bits, jnp.float32)
         return jnp.sum(jnp.where(probs >= t, probs, 0.0), axis=-1, keepdims=True)
@@ -51,7 +52,8 @@ def _bisect_threshold(probs, top_p):
 def nucleus_threshold(probs, top_p):
     """Nucleus (top-p): keep every token with p >= t for the largest t whose kept mass is still
     >= top_p — the smallest set of most likely tokens with that mass, ties at its edge included.
-    probs [..., V] -> t [..., 1].
+    probs [..., V], top_p a scalar or per row [..., 1] -> t [..., 1]; a row with top_p >= 1
+    keeps every token (t = 0).
 
     Read off a row's NUCLEUS_TOP_K largest probabilities when their mass reaches top_p (for
     SmolLM2 at temperature 0.7 and top_p 0.9, 99% of rows), else by bisection
@@ -59,15 +61,18 @@ def nucleus_threshold(probs, top_p):
     rows otherwise. Never by sorting V: XLA's CPU sort of [32, 49152] took ~0.7 s."""
     lead, v = probs.shape[:-1], probs.shape[-1]
     flat = probs.reshape(-1, v)
+    top_p = jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), lead + (1,)).reshape(-1, 1)
     top = jax.lax.top_k(flat, min(NUCLEUS_TOP_K, v))[0]  # [N, k] descending
     cum = jnp.cumsum(top, axis=-1)
-    short = cum[:, -1] < top_p  # [N] rows whose top-k mass is below top_p
+    whole = top_p[:, 0] >= 1.0
+    short = (cum[:, -1] < top_p[:, 0]) & ~whole  # [N] rows whose top-k mass is below top_p
     t = jnp.take_along_axis(top, jnp.argmax(cum >= top_p, axis=-1)[:, None], axis=-1)
     few = max(1, flat.shape[0] // 8)
 
     def some_rows():
         idx = jnp.nonzero(short, size=few, fill_value=0)[0]
-        return t.at[idx].set(jnp.where(short[idx, None], _bisect_threshold(flat[idx], top_p), t[idx]))
+        bis = _bisect_threshold(flat[idx], top_p[idx])
+        return t.at[idx].set(jnp.where(short[idx, None], bis, t[idx]))
 
     def all_rows():
         return jnp.where(short[:, None], _bisect_threshold(flat, top_p), t)
@@ -75,25 +80,46 @@ def nucleus_threshold(probs, top_p):
     n_short = jnp.sum(short)
     t = jax.lax.cond(n_short == 0, lambda: t,
                      lambda: jax.lax.cond(n_short <= few, some_rows, all_rows))
-    return t.reshape(lead + (1,))
+    return jnp.where(whole[:, None], 0.0, t).reshape(lead + (1,))
+
+
+def _per_row(x, ndim: int):
+    """A sampling setting, a scalar or one value per row [B], shaped to broadcast against
+    [B, ..., 1] arrays of `ndim` dimensions."""
+    x = jnp.asarray(x, jnp.float32)
+    return x if x.ndim == 0 else x.reshape(x.shape + (1,) * (ndim - x.ndim))
 
 
 def _processed(logits, temperature, top_p):
     """Temperature and nucleus as numbers to apply: (z [..., V] scaled logits, zmax and norm
     [..., 1] with softmax(z) = exp(z - zmax) / norm, t [..., 1] the nucleus threshold on those
     probabilities, mass [..., 1] the kept mass). The processed probability of x is
-    exp(z_x - zmax) / norm / mass where that is >= t, else 0. top_p >= 1 skips the nucleus
-    (t = 0, mass = 1)."""
+    exp(z_x - zmax) / norm / mass where that is >= t, else 0.
+
+    temperature and top_p: scalars, or one per row of the leading axis ([B], per-request settings
+    in a batch). Temperature 0 is greedy: all the mass on the argmax (the first of equal
+    maxima, as `argmax`), so a greedy row verifies and emits exactly as greedy decoding does even
+    in a sampled batch. top_p >= 1 keeps every token (t = 0, mass = 1); a batch without top_p < 1
+    skips the nucleus."""
+    temperature = _per_row(temperature, logits.ndim)
+    top_p = _per_row(top_p, logits.ndim)
     z = logits.astype(jnp.float32) / jnp.maximum(temperature, 1e-6)
+
+    def with_greedy_rows():
+        first_max = jax.nn.one_hot(argmax(logits.astype(jnp.float32)), z.shape[-1], dtype=bool)
+        return jnp.where(temperature > 0, z, jnp.where(first_max, 0.0, -jnp.inf))
+
+    z = jax.lax.cond(jnp.any(temperature <= 0), with_greedy_rows, lambda: z)
     zmax = jnp.max(z, axis=-1, keepdims=True)
     norm = jnp.sum(jnp.exp(z - zmax), axis=-1, keepdims=True)
 
     def nucleus():
         p = jnp.exp(z - zmax) / norm
-        t = nucleus_threshold(p, top_p)
-        return t, jnp.sum(jnp.where(p >= t, p, 0.0), axis=-1, keepdims=True)
+        t = nucleus_threshold(p, jnp.broadcast_to(top_p, norm.shape))
+        mass = jnp.sum(jnp.where(p >= t, p, 0.0), axis=-1, keepdims=True)
+        return t, jnp.where(top_p < 1.0, mass, 1.0)
 
-    t, mass = jax.lax.cond(top_p < 1.0, nucleus,
+    t, mass = jax.lax.cond(jnp.any(top_p < 1.0), nucleus,
                            lambda: (jnp.zeros_like(norm), jnp.ones_like(norm)))
     return z, zmax, norm, t, mass
 
@@ -106,7 +132,8 @@ def _kept(z, zmax, norm, t):
 
 
 def target_probs(logits, temperature, top_p):
-    """Processed target distribution: temperature, then nucleus (top-p). logits [..., V] f32."""
+    """Processed target distribution: temperature, then nucleus (top-p). logits [..., V] f32;
+    temperature, top_p scalars or per row [B] (`_processed`)."""
     z, zmax, norm, t, mass = _processed(logits, temperature, top_p)
     return _kept(z, zmax, norm, t) / mass
 

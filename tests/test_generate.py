@@ -80,6 +80,19 @@ def test_bad_input_raises_clear_errors(tiny_target):
         spec_jax.generate(tiny_target, "hello", 4)
     with pytest.raises(SpecJaxError, match="unknown draft"):
         spec_jax.generate(tiny_target, [1], 4, draft="nonsense")
+    with pytest.raises(SpecJaxError, match="temperature has 3 values for 2 prompts"):
+        spec_jax.generate_batch(tiny_target, [[1], [2]], 4, temperature=[0.5, 0.5, 0.5])
+    with pytest.raises(SpecJaxError, match="top_p in"):
+        spec_jax.generate_batch(tiny_target, [[1], [2]], 4, temperature=0.5, top_p=[0.9, 0.0])
+
+
+def test_a_batch_is_sized_for_its_commonest_sampling_setting():
+    from spec_jax.generate import sizing_setting
+
+    assert sizing_setting(np.zeros(3), np.ones(3)) == (0.0, 1.0)
+    t = np.asarray([0.0, 0.7, 1.0, 1.0, 0.7, 0.7], np.float32)
+    p = np.asarray([1.0, 0.9, 1.0, 1.0, 0.9, 0.9], np.float32)
+    assert sizing_setting(t, p) == pytest.approx((0.7, 0.9))
 
 
 def test_matmul_precision_of_the_loop(tiny_target):

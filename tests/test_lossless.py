@@ -19,14 +19,14 @@ def small_vocab_target():
     return spec_jax.random_target(tiny_config(vocab_size=V, num_layers=1), seed=3, scale=0.5)
 
 
-def exact_distribution(target, top_p):
+def exact_distribution(target, top_p, temp=TEMP):
     """P(x1, x2, x3 | prompt) by enumeration over all V^3 continuations."""
     probs = np.zeros((V,) * 3)
-    p1 = np.asarray(target_probs(jnp.asarray(target.logits(PROMPT)[-1]), TEMP, top_p))
+    p1 = np.asarray(target_probs(jnp.asarray(target.logits(PROMPT)[-1]), temp, top_p))
     for a in range(V):
-        p2 = np.asarray(target_probs(jnp.asarray(target.logits(PROMPT + [a])[-1]), TEMP, top_p))
+        p2 = np.asarray(target_probs(jnp.asarray(target.logits(PROMPT + [a])[-1]), temp, top_p))
         for b in range(V):
-            p3 = np.asarray(target_probs(jnp.asarray(target.logits(PROMPT + [a, b])[-1]), TEMP, top_p))
+            p3 = np.asarray(target_probs(jnp.asarray(target.logits(PROMPT + [a, b])[-1]), temp, top_p))
             probs[a, b] = p1[a] * p2[b] * p3
     return probs.reshape(-1)
 
@@ -95,6 +95,29 @@ def test_top_p_sampling_is_lossless(small_vocab_target):
     counts = empirical(small_vocab_target, make_draft(small_vocab_target, "eagle"), "dynamic:3,3,8",
                        top_p=0.8)
     assert chi2_pvalue(counts, probs) > 1e-4
+
+
+def test_per_row_sampling_settings_are_each_lossless(small_vocab_target):
+    """One batch, three settings by row: greedy rows give plain greedy decoding's tokens, and each
+    sampling setting's rows match that setting's exact distribution."""
+    target = small_vocab_target
+    settings = [(0.0, 1.0), (TEMP, 1.0), (0.6, 0.8)]
+    greedy = spec_jax.generate(target, PROMPT, 3, stop_at_eos=False).token_ids
+    counts = {s: np.zeros(V ** 3) for s in settings[1:]}
+    per_call = 6000
+    temps, top_ps = ([settings[i % 3][j] for i in range(per_call)] for j in (0, 1))
+    for i in range(4):
+        rs = spec_jax.generate_batch(target, [PROMPT] * per_call, 3, temperature=temps,
+                                     top_p=top_ps, seed=200 + i, draft=make_draft(target, "eagle"),
+                                     tree="dynamic:3,3,8", stop_at_eos=False)
+        for j, r in enumerate(rs):
+            if j % 3 == 0:
+                assert r.token_ids == greedy
+            else:
+                a, b, c = r.token_ids
+                counts[settings[j % 3]][(a * V + b) * V + c] += 1
+    for (temp, top_p), c in counts.items():
+        assert chi2_pvalue(c, exact_distribution(target, top_p, temp)) > 1e-4, (temp, top_p)
 
 
 def test_broken_acceptance_rule_is_detected(small_vocab_target):
