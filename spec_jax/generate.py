@@ -121,7 +121,7 @@ def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 
     default otherwise; "default" trades that exactness for TF32 speed.
     """
     batch = generate_batch(target, [prompt], max_new_tokens, temperature=temperature, top_p=top_p,
-                           seed=seed, chat=chat, draft=draft, tree=tree, attn_impl=attn_impl,
+                           seed=[seed], chat=chat, draft=draft, tree=tree, attn_impl=attn_impl,
                            stop_at_eos=stop_at_eos, accept_rule=accept_rule, precision=precision,
                            datastore=datastore)
     return batch[0]
@@ -138,6 +138,17 @@ def _row_settings(value, name: str, b: int) -> np.ndarray:
     return v
 
 
+def row_keys(seed, b: int):
+    """Each row's random key [b, 2]: PRNGKey(seed[i]) for a seed per prompt (so a row samples as
+    `generate` does alone with that seed and the same tree), fold_in(PRNGKey(seed), i) for one."""
+    s = np.asarray(seed)
+    if s.shape not in ((), (b,)) or not np.issubdtype(s.dtype, np.integer):
+        raise SpecJaxError(f"seed must be one integer or one per prompt ({b}), not {seed!r}")
+    if s.ndim == 0:
+        return jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(int(s)), i))(jnp.arange(b))
+    return jnp.stack([jax.random.PRNGKey(int(x)) for x in s])
+
+
 def sizing_setting(temperature: np.ndarray, top_p: np.ndarray) -> tuple[float, float]:
     """The (temperature, top_p) a batch's tree is sized for: greedy if every row is greedy, else
     the commonest setting of its sampling rows (a batch with any sampling row verifies by
@@ -150,14 +161,15 @@ def sizing_setting(temperature: np.ndarray, top_p: np.ndarray) -> tuple[float, f
 
 def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128, *,
                    temperature: float | Sequence[float] = 0.0, top_p: float | Sequence[float] = 1.0,
-                   seed: int = 0, chat: bool = True, draft=None, tree=None,
+                   seed: int | Sequence[int] = 0, chat: bool = True, draft=None, tree=None,
                    attn_impl: str = "auto", stop_at_eos: bool = True, accept_rule: str = "exact",
                    precision: str | None = None, datastore=None) -> list[GenerationResult]:
     """Like `generate` for several prompts at once (one batch, per-row lengths and acceptance).
 
-    temperature and top_p: one value for every prompt, or one per prompt (requests with their own
-    sampling settings in one batch; a row with temperature 0 decodes greedily, exactly as alone).
-    The tree is sized for `sizing_setting` of them."""
+    temperature, top_p and seed: one value for every prompt, or one per prompt (requests with
+    their own sampling settings in one batch; a row with temperature 0 decodes greedily, exactly
+    as alone). Each row draws from its own key (`row_keys`). The tree is sized for
+    `sizing_setting` of them."""
     if max_new_tokens < 1:
         raise SpecJaxError("max_new_tokens must be at least 1")
     b = len(prompts)
@@ -183,7 +195,7 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128,
                             accept_rule=accept_rule)
     cache = target.new_cache(b, n_slots)
     args = (target.params, dparams, jnp.asarray(tokens), jnp.asarray([len(x) for x in ids], jnp.int32),
-            cache, jax.random.PRNGKey(seed), jnp.asarray(temps), jnp.asarray(top_ps))
+            cache, row_keys(seed, b), jnp.asarray(temps), jnp.asarray(top_ps))
     dsig = (jax.tree.structure(dparams),
             tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(dparams)))
     precision = loop_precision(target.cfg, precision)

@@ -22,7 +22,7 @@ from spec_jax.config import ModelConfig
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
 from spec_jax.models.llama import causal_mask, forward, lm_head
-from spec_jax.verify import sample_token, verify
+from spec_jax.verify import sample_token, split_rows, verify
 
 FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 
@@ -66,7 +66,7 @@ class LoopState:
     finish: jax.Array  # [B] FINISH_*
     calls: jax.Array  # [] target forward passes after prefill
     hist: jax.Array  # [B, D + 1] accepted draft tokens per step (histogram)
-    key: jax.Array
+    key: jax.Array  # [B, 2] each row's own random key
 
 
 def _emit(state_out, n_out, finish, new, count, eos_ids, max_new, active):
@@ -93,8 +93,9 @@ def _emit(state_out, n_out, finish, new, count, eos_ids, max_new, active):
 
 def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperature, top_p, *,
              cfg: ModelConfig, drafter: Drafter, settings: LoopSettings):
-    """Prefill + speculative loop. tokens [B, P] right-padded, prompt_len [B], temperature and
-    top_p [B] (per row; read only when the settings are not greedy). Pure; jit it."""
+    """Prefill + speculative loop. tokens [B, P] right-padded, prompt_len [B], key [B, 2] (each
+    row's own), temperature and top_p [B] (per row; read only when the settings are not
+    greedy). Pure; jit it."""
     b, p = tokens.shape
     n_slots = cache.num_slots
     t_size, depth = drafter.tree_size, drafter.max_depth
@@ -106,7 +107,7 @@ def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatu
                   aux_layers=drafter.aux_layers, return_logits=False, attn_impl=settings.attn_impl)
     rows = jnp.arange(b)
     last_h = fwd.hidden[rows, prompt_len - 1]  # [B, H]
-    key, k0 = jax.random.split(key)
+    key, k0 = split_rows(key, 2)
     first = sample_token(lm_head(params, cfg, last_h), k0, greedy, temperature, top_p)
     select = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     cache = commit(cache, fwd.k_new, fwd.v_new, positions, select, prompt_len)
@@ -129,7 +130,7 @@ def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatu
         return jnp.any(s.finish == FINISH_RUNNING)
 
     def body(s: LoopState):
-        key, kd, kv = jax.random.split(s.key, 3)
+        key, kd, kv = split_rows(s.key, 3)
         active = s.finish == FINISH_RUNNING
         with jax.named_scope("draft"):
             tree, dstate = drafter.propose(dparams, params, cfg, s.dstate, s.root, kd)

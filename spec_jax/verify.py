@@ -150,8 +150,21 @@ def _first_above(cum, u, weights):
     return jnp.where(i < n, i, last).astype(jnp.int32)
 
 
-def sample_categorical(key, weights):
-    """One index per row with probability weights / their sum. weights [B, V] >= 0, some > 0.
+def row_uniform(keys, shape=()):
+    """Uniform [0, 1) draws of `shape` for each row, from that row's own key: keys [B, 2] ->
+    [B, *shape]. A row's draws depend on its key alone, never on the batch around it."""
+    return jax.vmap(lambda k: jax.random.uniform(k, shape, jnp.float32))(keys)
+
+
+def split_rows(keys, n: int):
+    """Per-row keys [B, 2] -> n per-row key arrays, each [B, 2]."""
+    split = jax.vmap(lambda k: jax.random.split(k, n))(keys)  # [B, n, 2]
+    return tuple(split[:, i] for i in range(n))
+
+
+def sample_categorical(keys, weights):
+    """One index per row with probability weights / their sum. keys [B, 2] (one per row),
+    weights [B, V] >= 0, some > 0.
 
     Inverse CDF in two levels: pick a block of SAMPLE_BLOCK tokens by its mass, then a token in
     it, so one pass over V and two short running sums, where `jax.random.categorical` draws V
@@ -163,7 +176,7 @@ def sample_categorical(key, weights):
     w = jnp.pad(weights, ((0, 0), (0, nb * SAMPLE_BLOCK - v))).reshape(b, nb, SAMPLE_BLOCK)
     sums = jnp.sum(w, axis=-1)  # [B, nb]
     cum = jnp.cumsum(sums, axis=-1)
-    u = jax.random.uniform(key, (b, 1), jnp.float32) * cum[:, -1:]
+    u = row_uniform(keys, (1,)) * cum[:, -1:]
     blk = _first_above(cum, u, sums)
     rows = jnp.arange(b)
     inner = w[rows, blk]  # [B, SAMPLE_BLOCK]
@@ -172,11 +185,11 @@ def sample_categorical(key, weights):
     return blk * SAMPLE_BLOCK + tok
 
 
-def sample_token(logits, key, greedy: bool, temperature, top_p):
-    """One token per row from logits [B, V]."""
+def sample_token(logits, keys, greedy: bool, temperature, top_p):
+    """One token per row from logits [B, V]; keys [B, 2], one per row."""
     if greedy:
         return argmax(logits)
-    return sample_categorical(key, target_probs(logits, temperature, top_p))
+    return sample_categorical(keys, target_probs(logits, temperature, top_p))
 
 
 def greedy_walk(best, tree: Tree, max_depth: int) -> Verdict:
@@ -201,9 +214,10 @@ def greedy_walk(best, tree: Tree, max_depth: int) -> Verdict:
     return Verdict(path=path, n_accepted=tree.depth[rows, cur] + 1, bonus=best[rows, cur])
 
 
-def verify(logits, tree: Tree, key, *, greedy: bool, max_depth: int, temperature=1.0,
+def verify(logits, tree: Tree, keys, *, greedy: bool, max_depth: int, temperature=1.0,
            top_p=1.0, accept_rule: str = "exact") -> Verdict:
-    """The accepted path and bonus token. logits [B, T, V] are the target's at every node.
+    """The accepted path and bonus token. logits [B, T, V] are the target's at every node; keys
+    [B, 2], one per row (sampling only).
 
     Greedy: `greedy_walk` over the argmax at every node. Sampling: the module docstring's walk in
     closed form. At a node whose children hold tokens x1..xk (processed probabilities p1..pk),
@@ -233,11 +247,11 @@ def verify(logits, tree: Tree, key, *, greedy: bool, max_depth: int, temperature
     earlier = jnp.tril(jnp.ones((k, k), bool), -1)  # [c, c'] c' < c
     dup = jnp.any((ctok[..., :, None] == ctok[..., None, :]) & valid[..., None, :] & earlier, -1)
     pc = jnp.where(valid & ~dup, pc, 0.0)
-    k_u, k_bonus = jax.random.split(key)
+    k_u, k_bonus = split_rows(keys, 2)
     if accept_rule == "broken":
         pick = pc > 0
     else:
-        pick = jax.random.uniform(k_u, (b, t, 1)) < jnp.cumsum(pc, axis=-1)
+        pick = row_uniform(k_u, (t, 1)) < jnp.cumsum(pc, axis=-1)
     first = jnp.argmax(pick, axis=-1)[..., None]  # [B, T, 1]
     chosen = jnp.where(jnp.any(pick, -1), jnp.take_along_axis(ctok, first, axis=-1)[..., 0], -1)
     walk = greedy_walk(chosen, tree, max_depth)

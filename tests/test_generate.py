@@ -86,6 +86,22 @@ def test_bad_input_raises_clear_errors(tiny_target):
         spec_jax.generate_batch(tiny_target, [[1], [2]], 4, temperature=0.5, top_p=[0.9, 0.0])
 
 
+def test_a_row_with_its_own_seed_samples_as_it_does_alone(tiny_target, heads_eagle):
+    """Per-prompt seeds: each row of a sampled batch (other rows, other settings beside it) gives
+    what `generate` gives for its prompt and seed alone, with plain decoding and with a tree."""
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    for draft, tree in [(None, None), (heads_eagle, "dynamic:3,3,8")]:
+        rows = spec_jax.generate_batch(tiny_target, prompts, 12, temperature=[0.9, 0.0, 1.2],
+                                       top_p=[1.0, 1.0, 0.8], seed=[11, 12, 13], draft=draft,
+                                       tree=tree, stop_at_eos=False)
+        for p, t, tp, s, r in zip(prompts, [0.9, 0.0, 1.2], [1.0, 1.0, 0.8], [11, 12, 13], rows):
+            alone = spec_jax.generate(tiny_target, p, 12, temperature=t, top_p=tp, seed=s,
+                                      draft=draft, tree=tree, stop_at_eos=False)
+            assert r.token_ids == alone.token_ids, (draft, p)
+    with pytest.raises(SpecJaxError, match="seed must be one integer or one per prompt"):
+        spec_jax.generate_batch(tiny_target, [[1], [2]], 4, temperature=0.5, seed=[1, 2, 3])
+
+
 def test_a_batch_is_sized_for_its_commonest_sampling_setting():
     from spec_jax.generate import sizing_setting
 
@@ -93,6 +109,11 @@ def test_a_batch_is_sized_for_its_commonest_sampling_setting():
     t = np.asarray([0.0, 0.7, 1.0, 1.0, 0.7, 0.7], np.float32)
     p = np.asarray([1.0, 0.9, 1.0, 1.0, 0.9, 0.9], np.float32)
     assert sizing_setting(t, p) == pytest.approx((0.7, 0.9))
+
+
+@pytest.fixture(scope="module")
+def heads_eagle(tiny_target):
+    return spec_jax.init_draft(tiny_target, "eagle", seed=7, scale=0.3)
 
 
 def test_matmul_precision_of_the_loop(tiny_target):

@@ -177,6 +177,7 @@ def test_sample_categorical_draws_the_given_distribution():
     rng = np.random.RandomState(2)
     w = rng.gamma(0.5, size=300).astype(np.float32) * 7.0
     w[rng.rand(300) < 0.33] = 0.0
-    draws = np.asarray(sample_categorical(jax.random.PRNGKey(0), jnp.tile(jnp.asarray(w), (N_RUNS, 1))))
+    keys = jax.random.split(jax.random.PRNGKey(0), N_RUNS)
+    draws = np.asarray(sample_categorical(keys, jnp.tile(jnp.asarray(w), (N_RUNS, 1))))
     assert w[draws].min() > 0
     assert chi2_pvalue(np.bincount(draws, minlength=300).astype(float), w / w.sum()) > 1e-4
