@@ -1,8 +1,10 @@
 """Sampled decoding speed of whichever spec_jax is imported (run it once per checkout with
 PYTHONPATH=<checkout> to compare two versions). SmolLM2, 8 MT-bench prompts spread over the
 categories, 128 new tokens, temperature 0.7; EAGLE with the tree sized for batch 1 (greedy sizing,
-cached); batches of 1 and 8, top_p 1.0 and 0.9. Run from the repository root after
-`bash scripts/main.sh`."""
+cached, or read from the JSON file given as the first argument: eagle_b1_tree.json beside this
+script is the switch this session's cache held); batches of 1 and 8, top_p 1.0 and 0.9. Run from
+the repository root after `bash scripts/main.sh`."""
+import json
 import sys
 
 import numpy as np
@@ -13,7 +15,7 @@ from spec_jax.sizing import cached_tree, tree_name
 
 t = spec_jax.load_target("checkpoints/smollm2-135m-instruct")
 eagle = spec_jax.load_draft("checkpoints/smollm2-135m-instruct-eagle")
-tree = cached_tree(t, eagle, 1)
+tree = json.load(open(sys.argv[1])) if sys.argv[1:] else cached_tree(t, eagle, 1)
 if tree is None:
     sys.exit("no sized tree for batch 1: run `spec-jax demo` (or generate with tree='auto') first")
 prompts = [p.text for p in spread(read_prompts("../shared/data/eval/mt_bench"), 8)]
