@@ -1,4 +1,7 @@
-"""Sampled decoding speed, nucleus by sort (before) vs by bisection (after)."""
+"""Sampled decoding speed, nucleus by sort (before) vs by bisection (after).
+
+Archival: written for the library as of commit 1a6a690 (run it in a checkout of that commit);
+verification has changed since."""
 import sys, time
 import jax, jax.numpy as jnp
 import spec_jax, spec_jax.verify as V

@@ -3,7 +3,10 @@ tree's children with full-vocabulary updates, Gumbel sampling over V) and of ses
 picks over [B, T, K], two-level inverse-CDF sampling, nucleus from the top 64). SmolLM2, 8 MT-bench
 prompts spread over the categories, 128 new tokens, temperature 0.7; EAGLE with the tree sized for
 batch 1 (greedy sizing, cached). Run from the repository root after `bash scripts/main.sh`;
-`python sampled_speed.py plain 1 1.0` runs one pair (drafter, batch, top_p) only."""
+`python sampled_speed.py plain 1 1.0` runs one pair (drafter, batch, top_p) only.
+
+Archival: written for the library as of commit f860519 (run it in a checkout of that commit);
+since then the loop passes each row its own key, which verify_before.py does not take."""
 import importlib.util
 import sys
 from pathlib import Path
