@@ -174,7 +174,7 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128,
         raise SpecJaxError("max_new_tokens must be at least 1")
     b = len(prompts)
     temps, top_ps = _row_settings(temperature, "temperature", b), _row_settings(top_p, "top_p", b)
-    if np.any(temps < 0) or not np.all((top_ps > 0) & (top_ps <= 1)):
+    if not (np.all(temps >= 0) and np.all((top_ps > 0) & (top_ps <= 1))):  # NaN fails too
         raise SpecJaxError("temperature must be >= 0 and top_p in (0, 1]")
     ids = [target.encode(p, chat=chat) for p in prompts]
     p_len = max(len(x) for x in ids)

@@ -84,6 +84,8 @@ def test_bad_input_raises_clear_errors(tiny_target):
         spec_jax.generate_batch(tiny_target, [[1], [2]], 4, temperature=[0.5, 0.5, 0.5])
     with pytest.raises(SpecJaxError, match="top_p in"):
         spec_jax.generate_batch(tiny_target, [[1], [2]], 4, temperature=0.5, top_p=[0.9, 0.0])
+    with pytest.raises(SpecJaxError, match="temperature must be >= 0"):
+        spec_jax.generate_batch(tiny_target, [[1], [2]], 4, temperature=[0.5, float("nan")])
 
 
 def test_a_row_with_its_own_seed_samples_as_it_does_alone(tiny_target, heads_eagle):
