@@ -159,20 +159,25 @@ def sizing_setting(temperature: np.ndarray, top_p: np.ndarray) -> tuple[float, f
     return max(sampled, key=sampled.count)
 
 
-def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128, *,
+def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int | Sequence[int] = 128, *,
                    temperature: float | Sequence[float] = 0.0, top_p: float | Sequence[float] = 1.0,
                    seed: int | Sequence[int] = 0, chat: bool = True, draft=None, tree=None,
                    attn_impl: str = "auto", stop_at_eos: bool = True, accept_rule: str = "exact",
                    precision: str | None = None, datastore=None) -> list[GenerationResult]:
     """Like `generate` for several prompts at once (one batch, per-row lengths and acceptance).
 
-    temperature, top_p and seed: one value for every prompt, or one per prompt (requests with
-    their own sampling settings in one batch; a row with temperature 0 decodes greedily, exactly
-    as alone). Each row draws from its own key (`row_keys`). The tree is sized for
+    max_new_tokens, temperature, top_p and seed: one value for every prompt, or one per prompt
+    (requests with their own limits and sampling settings in one batch; a row with temperature 0
+    decodes greedily, exactly as alone). Each row draws from its own key (`row_keys`). The tree is sized for
     `sizing_setting` of them."""
-    if max_new_tokens < 1:
-        raise SpecJaxError("max_new_tokens must be at least 1")
     b = len(prompts)
+    row_max = np.asarray(max_new_tokens)
+    if row_max.shape not in ((), (b,)) or not np.issubdtype(row_max.dtype, np.integer):
+        raise SpecJaxError(f"max_new_tokens must be one integer or one per prompt ({b})")
+    if np.any(row_max < 1):
+        raise SpecJaxError("max_new_tokens must be at least 1")
+    row_max = np.broadcast_to(row_max, (b,)).astype(np.int32)
+    max_new = int(row_max.max())
     temps, top_ps = _row_settings(temperature, "temperature", b), _row_settings(top_p, "top_p", b)
     if not (np.all(temps >= 0) and np.all((top_ps > 0) & (top_ps <= 1))):  # NaN fails too
         raise SpecJaxError("temperature must be >= 0 and top_p in (0, 1]")
@@ -182,20 +187,22 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int = 128,
     size_t, size_p = sizing_setting(temps, top_ps)
     drafter, dparams = resolve_drafter(target, draft, tree, b, attn_impl, datastore,
                                        temperature=size_t, top_p=size_p)
-    n_slots = _bucket(p_pad + max_new_tokens + 2 * drafter.tree_size + drafter.max_depth + 1, 128)
-    if p_len + max_new_tokens > target.cfg.max_position_embeddings:
-        raise SpecJaxError(f"prompt ({p_len}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
+    n_slots = _bucket(p_pad + max_new + 2 * drafter.tree_size + drafter.max_depth + 1, 128)
+    longest = max(range(b), key=lambda i: len(ids[i]) + row_max[i])
+    p_len_i, max_i = len(ids[longest]), int(row_max[longest])
+    if p_len_i + max_i > target.cfg.max_position_embeddings:
+        raise SpecJaxError(f"prompt ({p_len_i}) + max_new_tokens ({max_i}) exceeds the model's "
                            f"{target.cfg.max_position_embeddings} positions: shorten one of them")
     tokens = np.zeros((b, p_pad), np.int32)
     for i, x in enumerate(ids):
         tokens[i, :len(x)] = x
     greedy = not np.any(temps > 0)
-    settings = LoopSettings(max_new_tokens=max_new_tokens, greedy=greedy,
+    settings = LoopSettings(max_new_tokens=max_new, greedy=greedy,
                             eos_ids=target.eos_ids if stop_at_eos else (), attn_impl=attn_impl,
                             accept_rule=accept_rule)
     cache = target.new_cache(b, n_slots)
     args = (target.params, dparams, jnp.asarray(tokens), jnp.asarray([len(x) for x in ids], jnp.int32),
-            cache, row_keys(seed, b), jnp.asarray(temps), jnp.asarray(top_ps))
+            cache, row_keys(seed, b), jnp.asarray(temps), jnp.asarray(top_ps), jnp.asarray(row_max))
     dsig = (jax.tree.structure(dparams),
             tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(dparams)))
     precision = loop_precision(target.cfg, precision)

@@ -31,7 +31,7 @@ FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 class LoopSettings:
     """Static settings of one compiled loop."""
 
-    max_new_tokens: int
+    max_new_tokens: int  # the longest row's; each row's own limit is an input of the loop
     greedy: bool = True
     eos_ids: tuple[int, ...] = ()
     attn_impl: str = "auto"
@@ -91,11 +91,12 @@ def _emit(state_out, n_out, finish, new, count, eos_ids, max_new, active):
     return out, n_out + count, finish
 
 
-def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperature, top_p, *,
-             cfg: ModelConfig, drafter: Drafter, settings: LoopSettings):
+def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperature, top_p,
+             row_max_new, *, cfg: ModelConfig, drafter: Drafter, settings: LoopSettings):
     """Prefill + speculative loop. tokens [B, P] right-padded, prompt_len [B], key [B, 2] (each
     row's own), temperature and top_p [B] (per row; read only when the settings are not
-    greedy). Pure; jit it."""
+    greedy), row_max_new [B] each row's new-token limit (at most settings.max_new_tokens).
+    Pure; jit it."""
     b, p = tokens.shape
     n_slots = cache.num_slots
     t_size, depth = drafter.tree_size, drafter.max_depth
@@ -118,7 +119,7 @@ def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatu
     out = jnp.zeros((b, max_new + depth + 1), jnp.int32)
     finish = jnp.full((b,), FINISH_RUNNING, jnp.int32)
     out, n_out, finish = _emit(out, jnp.zeros((b,), jnp.int32), finish, first[:, None],
-                               jnp.ones((b,), jnp.int32), settings.eos_ids, max_new,
+                               jnp.ones((b,), jnp.int32), settings.eos_ids, row_max_new,
                                jnp.ones((b,), bool))
     finish = jnp.where((finish == FINISH_RUNNING) & (cache.length + t_size > n_slots),
                        FINISH_LENGTH, finish)
@@ -155,7 +156,7 @@ def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatu
         toks = tree.tokens[rows[:, None], jnp.maximum(nxt, 0)]
         new = jnp.where(j == (verdict.n_accepted[:, None] - 1), verdict.bonus[:, None], toks)
         out, n_out, finish = _emit(s.out, s.n_out, s.finish, new, verdict.n_accepted,
-                                   settings.eos_ids, max_new, active)
+                                   settings.eos_ids, row_max_new, active)
         finish = jnp.where((finish == FINISH_RUNNING) & (cache.length + t_size > n_slots),
                            FINISH_LENGTH, finish)
         with jax.named_scope("draft_update"):

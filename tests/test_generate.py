@@ -104,6 +104,21 @@ def test_a_row_with_its_own_seed_samples_as_it_does_alone(tiny_target, heads_eag
         spec_jax.generate_batch(tiny_target, [[1], [2]], 4, temperature=0.5, seed=[1, 2, 3])
 
 
+def test_each_row_stops_at_its_own_max_new_tokens(tiny_target, heads_eagle):
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]]
+    for draft, tree in [(None, None), (heads_eagle, "dynamic:3,3,8")]:
+        rows = spec_jax.generate_batch(tiny_target, prompts, [3, 17, 8], draft=draft, tree=tree,
+                                       stop_at_eos=False)
+        for p, n, r in zip(prompts, [3, 17, 8], rows):
+            alone = spec_jax.generate(tiny_target, p, n, draft=draft, tree=tree, stop_at_eos=False)
+            assert r.token_ids == alone.token_ids and len(r.token_ids) == n
+            assert r.stats["finish_reason"] == "length"
+    with pytest.raises(SpecJaxError, match="max_new_tokens must be one integer or one per prompt"):
+        spec_jax.generate_batch(tiny_target, [[1], [2]], [4, 4, 4])
+    with pytest.raises(SpecJaxError, match="at least 1"):
+        spec_jax.generate_batch(tiny_target, [[1], [2]], [4, 0])
+
+
 def test_a_batch_is_sized_for_its_commonest_sampling_setting():
     from spec_jax.generate import sizing_setting
 
