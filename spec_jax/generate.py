@@ -168,8 +168,8 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int | Sequ
 
     max_new_tokens, temperature, top_p and seed: one value for every prompt, or one per prompt
     (requests with their own limits and sampling settings in one batch; a row with temperature 0
-    decodes greedily, exactly as alone). Each row draws from its own key (`row_keys`). The tree is sized for
-    `sizing_setting` of them."""
+    decodes greedily, exactly as alone). Each row draws from its own key (`row_keys`). The tree
+    is sized for `sizing_setting` of them."""
     b = len(prompts)
     row_max = np.asarray(max_new_tokens)
     if row_max.shape not in ((), (b,)) or not np.issubdtype(row_max.dtype, np.integer):
