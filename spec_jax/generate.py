@@ -127,26 +127,24 @@ def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 
     return batch[0]
 
 
-def _row_settings(value, name: str, b: int) -> np.ndarray:
-    """A sampling setting given once or per prompt -> float32 [b]."""
-    v = np.asarray(value, np.float32)
-    if v.ndim == 0:
-        return np.full((b,), v, np.float32)
-    if v.shape != (b,):
-        raise SpecJaxError(f"{name} has {v.size} values for {b} prompts: give one value, or one "
-                           "per prompt")
-    return v
+def _per_prompt(value, name: str, b: int, integer: bool = False) -> np.ndarray:
+    """A setting given once or once per prompt -> [b] (int32 if `integer`, else float32)."""
+    v = np.asarray(value)
+    kind = "integer" if integer else "number"
+    if v.shape not in ((), (b,)) or (integer and not np.issubdtype(v.dtype, np.integer)):
+        raise SpecJaxError(f"{name} must be one {kind} or one per prompt: got {value!r} for {b} "
+                           "prompts")
+    return np.broadcast_to(v, (b,)).astype(np.int32 if integer else np.float32)
 
 
 def row_keys(seed, b: int):
     """Each row's random key [b, 2]: PRNGKey(seed[i]) for a seed per prompt (so a row samples as
     `generate` does alone with that seed and the same tree), fold_in(PRNGKey(seed), i) for one."""
-    s = np.asarray(seed)
-    if s.shape not in ((), (b,)) or not np.issubdtype(s.dtype, np.integer):
-        raise SpecJaxError(f"seed must be one integer or one per prompt ({b}), not {seed!r}")
-    if s.ndim == 0:
-        return jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(int(s)), i))(jnp.arange(b))
-    return jnp.stack([jax.random.PRNGKey(int(x)) for x in s])
+    seeds = _per_prompt(seed, "seed", b, integer=True)
+    if np.ndim(seed) == 0:
+        return jax.vmap(lambda i: jax.random.fold_in(jax.random.PRNGKey(int(seeds[0])), i))(
+            jnp.arange(b))
+    return jnp.stack([jax.random.PRNGKey(int(x)) for x in seeds])
 
 
 def sizing_setting(temperature: np.ndarray, top_p: np.ndarray) -> tuple[float, float]:
@@ -171,14 +169,11 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int | Sequ
     decodes greedily, exactly as alone). Each row draws from its own key (`row_keys`). The tree
     is sized for `sizing_setting` of them."""
     b = len(prompts)
-    row_max = np.asarray(max_new_tokens)
-    if row_max.shape not in ((), (b,)) or not np.issubdtype(row_max.dtype, np.integer):
-        raise SpecJaxError(f"max_new_tokens must be one integer or one per prompt ({b})")
+    row_max = _per_prompt(max_new_tokens, "max_new_tokens", b, integer=True)
     if np.any(row_max < 1):
         raise SpecJaxError("max_new_tokens must be at least 1")
-    row_max = np.broadcast_to(row_max, (b,)).astype(np.int32)
     max_new = int(row_max.max())
-    temps, top_ps = _row_settings(temperature, "temperature", b), _row_settings(top_p, "top_p", b)
+    temps, top_ps = _per_prompt(temperature, "temperature", b), _per_prompt(top_p, "top_p", b)
     if not (np.all(temps >= 0) and np.all((top_ps > 0) & (top_ps <= 1))):  # NaN fails too
         raise SpecJaxError("temperature must be >= 0 and top_p in (0, 1]")
     ids = [target.encode(p, chat=chat) for p in prompts]

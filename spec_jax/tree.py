@@ -148,6 +148,15 @@ def children_table(parent, k: int):
     return kids[..., :k]
 
 
+def check_dynamic(top_k: int, depth: int, total_tokens: int) -> None:
+    """Refuse a dynamic tree (EAGLE-2's: top_k candidates per depth, top_k**2 scored below each
+    depth's frontier) that its top_k and depth cannot fill."""
+    if min(top_k, depth) < 1 or not 2 <= total_tokens <= top_k + (depth - 1) * top_k ** 2 + 1:
+        raise SpecJaxError(f"cannot draft a dynamic tree of {total_tokens} tokens with top_k {top_k} "
+                           f"and depth {depth}: top_k and depth must be at least 1, total_tokens 2 "
+                           "to top_k + (depth - 1) * top_k**2 + 1")
+
+
 def best_nodes_tree(root, tok, score, parent, depth, n_pick: int, max_depth: int, k: int) -> Tree:
     """A pool of candidate nodes -> the tree of the root and the pool's `n_pick` best-scored nodes
     (EAGLE-2's final selection).

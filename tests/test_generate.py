@@ -80,7 +80,7 @@ def test_bad_input_raises_clear_errors(tiny_target):
         spec_jax.generate(tiny_target, "hello", 4)
     with pytest.raises(SpecJaxError, match="unknown draft"):
         spec_jax.generate(tiny_target, [1], 4, draft="nonsense")
-    with pytest.raises(SpecJaxError, match="temperature has 3 values for 2 prompts"):
+    with pytest.raises(SpecJaxError, match="temperature must be one number or one per prompt: got .* for 2 prompts"):
         spec_jax.generate_batch(tiny_target, [[1], [2]], 4, temperature=[0.5, 0.5, 0.5])
     with pytest.raises(SpecJaxError, match="top_p in"):
         spec_jax.generate_batch(tiny_target, [[1], [2]], 4, temperature=0.5, top_p=[0.9, 0.0])

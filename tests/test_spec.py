@@ -187,7 +187,7 @@ def test_dynamic_medusa_tree_keeps_the_best_scored_paths(tiny_target, heads):
 
         assert tok[0] == 5 + b and {path(i) for i in range(1, n)} == want
         assert np.all(np.asarray(tree.depth[b]) == [len(path(i)) for i in range(n)])
-    with pytest.raises(SpecJaxError, match="total_tokens must be"):
+    with pytest.raises(SpecJaxError, match="tree of 8 tokens with top_k 2 and depth 2"):
         h.drafter("dynamic:2,2,8")
 
 

@@ -23,7 +23,8 @@ from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
 from spec_jax.heads.vocab import shared_head_weight, to_target_ids, topk_logp
 from spec_jax.models.llama import rms_norm
-from spec_jax.tree import MEDUSA_DEFAULT, StaticTree, best_nodes_tree, static_tree_batch
+from spec_jax.tree import (MEDUSA_DEFAULT, StaticTree, best_nodes_tree, check_dynamic,
+                           static_tree_batch)
 
 
 def init_params(cfg, key, scale=0.0, num_heads: int = 4, own_lm_heads: bool = False):
@@ -64,11 +65,7 @@ class MedusaDrafter(Drafter):
             raise SpecJaxError(f"tree depth {self.max_depth} exceeds the {self.num_heads} Medusa "
                                "heads: use a tree no deeper than the number of heads")
         if self.dynamic is not None:
-            k, d, n = self.dynamic
-            if min(k, d) < 1 or not 1 < n <= k + (d - 1) * k * k + 1:
-                raise SpecJaxError(f"cannot draft a dynamic Medusa tree of {n} tokens with top_k "
-                                   f"{k} and depth {d}: total_tokens must be 2 to top_k + "
-                                   "(depth - 1) * top_k**2 + 1")
+            check_dynamic(*self.dynamic)
 
     @property
     def tree_size(self):

@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from spec_jax.errors import SpecJaxError
-from spec_jax.tree import StaticTree, parse_tree
+from spec_jax.tree import StaticTree, check_dynamic, parse_tree
 
 METHODS = ("eagle", "eagle3", "medusa", "mtp")
 DEFAULT_HPARAMS = {
@@ -126,9 +126,7 @@ class DraftHeads:
             from spec_jax.heads.base import Drafter
 
             return Drafter()
-        if dyn["total_tokens"] > dyn["top_k"] + (dyn["depth"] - 1) * dyn["top_k"] ** 2 + 1:
-            raise SpecJaxError(f"total_tokens {dyn['total_tokens']} exceeds what top_k {dyn['top_k']} "
-                               f"and depth {dyn['depth']} can propose")
+        check_dynamic(dyn["top_k"], dyn["depth"], dyn["total_tokens"])
         if self.method == "eagle":
             from spec_jax.heads.eagle import EagleDrafter, features_of
 
