@@ -18,7 +18,7 @@ import numpy as np
 import spec_jax
 from spec_jax.errors import SpecJaxError
 from spec_jax.train.distill import check_source, load_distill
-from spec_jax.train.loop import TrainConfig, eagle_hparams, feature_cache, train
+from spec_jax.train.loop import TrainConfig, feature_cache, head_hparams, train
 
 LR = {"eagle": 2e-3, "eagle3": 2e-3, "medusa": 2e-3, "mtp": 2e-3}
 
@@ -47,6 +47,9 @@ def main():
                     help="EAGLE-1/2 features: the target's final hidden states after its final "
                          "norm (the reference's; default for fresh heads), or before it; --init "
                          "heads keep their own")
+    ap.add_argument("--medusa-lm-heads", action="store_true",
+                    help="Medusa: an LM head of its own per head (Medusa-1's; --init heads without "
+                         "them start from copies of the target's)")
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--out-root", help="write <out-root>/<model-name>-<method> (default: beside the model)")
     ap.add_argument("--features", help="folder to keep (or reuse) the target's features in")
@@ -79,8 +82,8 @@ def main():
                           seq_len=a.seq_len, lr=a.lr or LR[m], draft_vocab=a.draft_vocab,
                           eagle_ttt_steps=a.eagle_ttt, eagle_ce_weight=a.eagle_ce_weight,
                           labels=a.labels if m != "medusa" else "hard",
-                          hparams=eagle_hparams(a.eagle_layers, a.eagle_features)
-                          if m == "eagle" else ())
+                          hparams=head_hparams(m, a.eagle_layers, a.eagle_features,
+                                               a.medusa_lm_heads))
         out = outs[m]
         heads, hist = train(target, data, cfg, out_dir=out, ckpt_dir=ckpts[m],
                             resume=a.resume, init=inits.get(m))

@@ -227,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--layers", type=int, default=1,
                    help="eagle: decoder layers of the head (1: the paper's); an --init head with "
                         "fewer is grown by identity layers")
+    t.add_argument("--own-lm-heads", action="store_true",
+                   help="medusa: an LM head of its own per head (Medusa-1's; more accurate, K "
+                        "reads a draft step instead of one); --init heads without them start from "
+                        "copies of the target's")
     t.add_argument("--eagle-features", choices=["pre", "post"],
                    help="eagle: the target's final hidden states after its final norm (the "
                         "reference's; the default for fresh heads) or before it; an --init head "

@@ -15,8 +15,8 @@ Sequoia's idea with measured costs, in three measurements:
 2. Costs. The target's forward latency over T tree tokens (verification) and the drafter's
    per-step latency (propose + bookkeeping) at each depth, on this backend and batch size.
 3. Choice. Predicted tokens/s of the best tree of each size = tau / (verify + draft) per step.
-   The best prediction and plain decoding (and, for EAGLE, EAGLE-3 and MTP heads predicted to
-   beat plain, the dynamic tree of the same top-k, depth and size; and a prediction within 3% of
+   The best prediction and plain decoding (and, where predicted to beat plain, the dynamic tree
+   of the same top-k, depth and size; and a prediction within 3% of
    the best with a higher tau, see `contenders`) are then run end to end on the calibration
    prompts, and the fastest wins: speculation is chosen only where it measurably
    pays (a datastore graft must win by more than the host's noise, see `pick_winner`).
@@ -534,7 +534,7 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
     the predicted curve and the end-to-end measurements the choice was made from. With a
     `datastore`, datastore chains of DS_DEPTHS tokens are weighed too (and the choice says how
     many, 0 included)."""
-    from spec_jax.tree import StaticTree
+    from spec_jax.tree import StaticTree, dynamic_capacity
 
     key = calibration_key(target, heads, batch, datastore, temperature, top_p)
     entry = _entry(target, heads, batch, datastore, temperature, top_p) if use_cache else None
@@ -635,7 +635,8 @@ def size_tree(target, heads, prompts=None, batch: int = 1, max_new_tokens: int =
         for c, twin in picks:
             measured.append(measure(_choice(c["paths"], c, datastore)))
             size = c["size"] - c["ngram"] - c["ds"]
-            if (twin and heads.method != "medusa" and "switch" not in c and size > c["depth"] + 1
+            if (twin and "switch" not in c and c["depth"] + 1 < size
+                    <= dynamic_capacity(c["top_k"], c["depth"])
                     and c["predicted_tokens_per_second"] > plain_pred):
                 dyn = {"top_k": c["top_k"], "depth": c["depth"], "total_tokens": size}
                 measured.append(measure(_choice(dyn, c, datastore)))

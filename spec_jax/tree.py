@@ -148,10 +148,15 @@ def children_table(parent, k: int):
     return kids[..., :k]
 
 
+def dynamic_capacity(top_k: int, depth: int) -> int:
+    """The most tokens a dynamic tree (EAGLE-2's: top_k candidates at the first depth, top_k**2
+    scored below each later depth's frontier) can fill, root included."""
+    return top_k + (depth - 1) * top_k ** 2 + 1
+
+
 def check_dynamic(top_k: int, depth: int, total_tokens: int) -> None:
-    """Refuse a dynamic tree (EAGLE-2's: top_k candidates per depth, top_k**2 scored below each
-    depth's frontier) that its top_k and depth cannot fill."""
-    if min(top_k, depth) < 1 or not 2 <= total_tokens <= top_k + (depth - 1) * top_k ** 2 + 1:
+    """Refuse a dynamic tree that its top_k and depth cannot fill."""
+    if min(top_k, depth) < 1 or not 2 <= total_tokens <= dynamic_capacity(top_k, depth):
         raise SpecJaxError(f"cannot draft a dynamic tree of {total_tokens} tokens with top_k {top_k} "
                            f"and depth {depth}: top_k and depth must be at least 1, total_tokens 2 "
                            "to top_k + (depth - 1) * top_k**2 + 1")

@@ -340,3 +340,23 @@ def test_a_sampled_bench_gives_every_method_the_same_seed_per_prompt(tiny_target
     assert len(runs) == 4
     seeds = {(p, d): seed for p, d, t, tp, seed in calls if (t, tp) == (0.8, 0.9)}
     assert seeds == {((1, 2), None): 7, ((1, 2), "ngram"): 7, ((3, 4), None): 8, ((3, 4), "ngram"): 8}
+
+
+def test_sizing_also_runs_the_dynamic_twin_of_medusa_trees(tiny_target, tmp_path, monkeypatch):
+    """Medusa heads draft dynamic trees too, so a static tree predicted to beat plain decoding is
+    run end to end beside its dynamic twin (same top-k, depth and size), as for EAGLE heads. The
+    costs are stubbed (verification flat, drafting free) so that the prediction beats plain."""
+    import spec_jax
+    from spec_jax import sizing
+
+    monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
+    monkeypatch.setattr(sizing, "verify_latency", lambda target, sizes, batch=1: {t: 0.01 for t in sizes})
+    monkeypatch.setattr(sizing, "draft_latency", lambda *a, **k: 1e-6)
+    heads = spec_jax.init_draft(tiny_target, "medusa", seed=1, scale=0.3, num_heads=2)
+    _, report = sizing.size_tree(tiny_target, heads, [[1, 2, 3, 4], [5, 6, 7]], max_new_tokens=8,
+                                 sizes=(4,), progress=False)
+    static = [m["tree"] for m in report["measured"] if isinstance(m["tree"], list)]
+    dynamic = [m["tree"] for m in report["measured"] if isinstance(m["tree"], dict)
+               and "top_k" in m["tree"]]
+    assert static and dynamic, report["measured"]
+    assert all(d["total_tokens"] == 4 for d in dynamic)

@@ -330,3 +330,35 @@ def test_soft_label_training_learns_the_target(toy, method):
         train(target, data_for(target, seqs, "medusa"),
               dataclasses.replace(cfg, method="medusa", hparams=tuple(HP["medusa"].items())),
               progress=False)
+
+
+def test_medusa_heads_given_own_lm_heads_start_where_they_were(toy, tmp_path):
+    """own_lm_heads gives each Medusa head a copy of the target's LM head (over the draft
+    vocabulary): fine-tuning starts at the shared heads' loss, the copies then train apart, and the
+    heads save, load and decode losslessly, with the tree using only the heads it reaches."""
+    target, prompts, seqs = toy
+    data = data_for(target, seqs, "medusa")
+    cfg = TrainConfig(method="medusa", steps=60, batch_size=8, seq_len=SEQ, lr=2e-2, warmup=5,
+                      hparams=tuple(HP["medusa"].items()))
+    shared, _ = train(target, data, cfg, progress=False)
+    own_cfg = dataclasses.replace(cfg, steps=20, lr=3e-3, hparams=(("own_lm_heads", True),))
+    _, h_shared = train(target, data, dataclasses.replace(own_cfg, hparams=()), progress=False,
+                        init=shared)
+    own, h_own = train(target, data, own_cfg, progress=False, init=shared)
+    assert "lm_heads" not in shared.params and own.hparams["own_lm_heads"]
+    assert own.params["lm_heads"].shape == (3, target.cfg.hidden_size, 30)
+    assert h_own[0]["loss"] == pytest.approx(h_shared[0]["loss"], rel=1e-5)
+    lm = np.asarray(own.params["lm_heads"])
+    assert np.abs(lm[0] - lm[1]).max() > 0  # trained apart
+    from spec_jax.heads.registry import save_draft
+
+    save_draft(own, tmp_path / "heads")
+    loaded = spec_jax.load_draft(tmp_path / "heads")
+    plain = spec_jax.generate_batch(target, prompts[:4], 20, stop_at_eos=False)
+    for tree in ("[[0],[1],[0,0]]", "dynamic:2,3,6"):
+        spec = spec_jax.generate_batch(target, prompts[:4], 20, draft=loaded, tree=tree,
+                                       stop_at_eos=False)
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert mean_tau(target, prompts, loaded) > 2.0
+    fresh = spec_jax.init_draft(target, "medusa", num_heads=2, own_lm_heads=True)
+    assert fresh.params["lm_heads"].shape == (2, target.cfg.hidden_size, target.cfg.vocab_size)

@@ -7,9 +7,11 @@ d scores the sum of the log-probabilities of its path's tokens under heads 0..d-
 nodes of each depth take the top_k tokens of the next head as children, and the tree keeps the
 total_tokens - 1 best nodes. The heads run once either way.
 
-By default every head reads through the target's frozen LM head (`shared_lm_head`); K separate
-vocab-sized heads cost K times the LM head's memory traffic per step, which a small target on a
-CPU cannot afford; a draft vocabulary (spec_jax.heads.vocab) cuts that read further. Pass own heads (`lm_heads` [K, H, V]) to match the paper exactly."""
+By default every head reads through the target's frozen LM head over the draft vocabulary
+(spec_jax.heads.vocab): one [H, Vd] read serves all K heads. With `own_lm_heads` (the paper's
+Medusa-1 design) each head has its own trainable LM head, `lm_heads` [K, H, Vd], initialised from
+the target's (`add_lm_heads`): more capacity, and K reads a step instead of one; only the heads
+the tree is deep enough to use are run."""
 from __future__ import annotations
 
 import dataclasses
@@ -27,15 +29,23 @@ from spec_jax.tree import (MEDUSA_DEFAULT, StaticTree, best_nodes_tree, check_dy
                            static_tree_batch)
 
 
-def init_params(cfg, key, scale=0.0, num_heads: int = 4, own_lm_heads: bool = False):
+def init_params(cfg, key, scale=0.0, num_heads: int = 4):
     h = cfg.hidden_size
     dt = jnp.dtype(cfg.dtype)
-    k1, k2 = jax.random.split(key)
-    p = {"w": (scale * jax.random.normal(k1, (num_heads, h, h))).astype(dt),
-         "b": jnp.zeros((num_heads, h), dt)}
-    if own_lm_heads:
-        p["lm_heads"] = (0.02 * jax.random.normal(k2, (num_heads, h, cfg.vocab_size))).astype(dt)
-    return p
+    return {"w": (scale * jax.random.normal(key, (num_heads, h, h))).astype(dt),
+            "b": jnp.zeros((num_heads, h), dt)}
+
+
+def add_lm_heads(params: dict, tparams, tcfg) -> dict:
+    """`params` with an LM head of its own per Medusa head ([K, H, Vd], each a copy of the target's
+    over the draft vocabulary, as Medusa-1 initialises them): the heads start where they were."""
+    from pallas_kernels.cpu_gemm import unpack
+
+    w = shared_head_weight({k: v for k, v in params.items() if k != "lm_sub"}, tparams, tcfg)
+    if isinstance(w, cpu_gemm.PackedWeight):
+        w = unpack(w)
+    k = params["w"].shape[0]
+    return {**params, "lm_heads": jnp.broadcast_to(w[None], (k,) + w.shape).astype(params["w"].dtype)}
 
 
 @flax.struct.dataclass
@@ -43,13 +53,15 @@ class MedusaState:
     hidden: jax.Array  # [B, H] target hidden at the node that produced the root
 
 
-def medusa_logits(dparams, tparams, tcfg, hidden):
-    """hidden [B, H] -> per-head logits [B, K, Vd] (float32; Vd = V without a draft vocabulary)."""
+def medusa_logits(dparams, tparams, tcfg, hidden, heads: int | None = None):
+    """hidden [B, H] -> logits of the first `heads` (default all K) heads [B, K, Vd] (float32;
+    Vd = V without a draft vocabulary)."""
+    n = dparams["w"].shape[0] if heads is None else heads
     h = rms_norm(hidden, tparams["final_norm"], tcfg.rms_norm_eps)[:, None, :]  # [B, 1, H]
-    z = h + jax.nn.silu(jnp.einsum("bxh,khd->bkd", h, dparams["w"]) + dparams["b"])
+    z = h + jax.nn.silu(jnp.einsum("bxh,khd->bkd", h, dparams["w"][:n]) + dparams["b"][:n])
     if "lm_heads" in dparams:
-        return jnp.einsum("bkh,khv->bkv", z, dparams["lm_heads"], preferred_element_type=jnp.float32)
-    # over the draft vocabulary, if any
+        return jnp.einsum("bkh,khv->bkv", z, dparams["lm_heads"][:n],
+                          preferred_element_type=jnp.float32)
     return cpu_gemm.dot_f32(z, shared_head_weight(dparams, tparams, tcfg))
 
 
@@ -100,7 +112,7 @@ class MedusaDrafter(Drafter):
             return self._propose_dynamic(dparams, tparams, tcfg, state, root), state
         parent, depth, rank, _, _, _ = self.tree.arrays()
         b = root.shape[0]
-        logits = medusa_logits(dparams, tparams, tcfg, state.hidden)  # [B, K, V]
+        logits = medusa_logits(dparams, tparams, tcfg, state.hidden, self.max_depth)  # [B, D, V]
         r = int(rank.max()) + 1
         _, top = jax.lax.top_k(logits, r)  # [B, K, r]
         head = jnp.asarray(depth[1:] - 1)
@@ -111,7 +123,7 @@ class MedusaDrafter(Drafter):
     def _propose_dynamic(self, dparams, tparams, tcfg, state, root):
         k, depth, total = self.dynamic
         b = root.shape[0]
-        logits = medusa_logits(dparams, tparams, tcfg, state.hidden)[:, :depth]  # [B, D, V]
+        logits = medusa_logits(dparams, tparams, tcfg, state.hidden, depth)  # [B, D, V]
         logp, tok = topk_logp(logits, dparams, k)  # [B, D, k]
         pool_tok, pool_score = [tok[:, 0]], [logp[:, 0]]
         pool_parent = [jnp.full((b, k), -1, jnp.int32)]

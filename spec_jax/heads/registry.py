@@ -15,7 +15,7 @@ METHODS = ("eagle", "eagle3", "medusa", "mtp")
 DEFAULT_HPARAMS = {
     "eagle": {"top_k": 8, "depth": 5, "total_tokens": 32, "num_layers": 1, "features": "post"},
     "eagle3": {"top_k": 8, "depth": 6, "total_tokens": 32, "draft_vocab": 8192},
-    "medusa": {"num_heads": 4},
+    "medusa": {"num_heads": 4},  # "own_lm_heads": True gives each head its own LM head
     "mtp": {"num_modules": 1, "depth": 3},
 }
 
@@ -180,6 +180,10 @@ def init_draft(target, method: str, seed: int = 0, scale: float = 0.02, **hparam
 
         hp["draft_vocab"] = len(d2t)
         params.update(vocab_maps(d2t, cfg.vocab_size))
+    if method == "medusa" and hp.get("own_lm_heads"):
+        from spec_jax.heads.medusa import add_lm_heads
+
+        params = add_lm_heads(params, target.params, cfg)
     return DraftHeads(method=method, params=params, hparams=hp, target_info=target_identity(target),
                       tcfg=cfg)
 

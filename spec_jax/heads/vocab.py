@@ -3,8 +3,8 @@ its training responses. Its LM head then reads [H, Vd] per draft step instead of
 SmolLM2's 49152 tokens: 6x less memory traffic, and a 6x cheaper training loss); verification still
 scores the full vocabulary, so outputs stay exactly the target's.
 
-EAGLE-3 trains its own [H, Vd] LM head. EAGLE-1/2, Medusa and MTP read through the target's frozen
-LM head: for them `bind_target` adds its [H, Vd] column slice as `lm_sub`, derived from the target
+EAGLE-3 trains its own [H, Vd] LM head (Medusa may: one per head). EAGLE-1/2, Medusa and MTP
+otherwise read through the target's frozen LM head: for them `bind_target` adds its [H, Vd] column slice as `lm_sub`, derived from the target
 at load time and never saved. `d2t` [Vd] maps draft ids to target ids, `t2d` [V] back (-1 outside).
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ def shared_head_weight(dparams, tparams, tcfg):
 def bind_target(params: dict, tparams, tcfg) -> dict:
     """Head params ready to run: a draft vocabulary over the target's LM head gets its slice once,
     instead of a gather inside every draft step."""
-    if "d2t" not in params or "lm_head" in params or "lm_sub" in params:
+    if "d2t" not in params or any(k in params for k in ("lm_head", "lm_heads", "lm_sub")):
         return params
     return {**params, "lm_sub": shared_head_weight(params, tparams, tcfg)}
 

@@ -192,7 +192,8 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
 
     init: heads to start from (fine-tuning on new data) instead of random ones; their
     hyper-parameters and draft vocabulary are kept, except that an EAGLE head is grown by identity
-    layers when cfg.hparams asks for more `num_layers` (spec_jax.heads.eagle.add_layers)."""
+    layers when cfg.hparams asks for more `num_layers` (spec_jax.heads.eagle.add_layers), and
+    Medusa heads get LM heads of their own for `own_lm_heads` (spec_jax.heads.medusa.add_lm_heads)."""
     import orbax.checkpoint as ocp
 
     if init is not None:
@@ -213,6 +214,12 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
             heads.params = add_layers(heads.params, target.cfg, layers,
                                       jax.random.PRNGKey(cfg.seed))
             heads.hparams["num_layers"] = layers
+        if cfg.method == "medusa" and dict(cfg.hparams).get("own_lm_heads") and \
+                "lm_heads" not in heads.params:
+            from spec_jax.heads.medusa import add_lm_heads
+
+            heads.params = add_lm_heads(heads.params, target.params, target.cfg)
+            heads.hparams["own_lm_heads"] = True
     else:
         extra = dict(cfg.hparams)
         v = target.cfg.vocab_size
@@ -319,10 +326,16 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
     return heads, history
 
 
-def eagle_hparams(layers: int, features: str | None) -> tuple:
-    """TrainConfig.hparams for an EAGLE head: `layers` decoder layers; `features` "pre" or "post"
-    (None: an --init head's own, "post" for a fresh one)."""
-    return (("num_layers", layers),) + ((("features", features),) if features else ())
+def head_hparams(method: str, layers: int = 1, features: str | None = None,
+                 own_lm_heads: bool = False) -> tuple:
+    """TrainConfig.hparams from the CLI's options: an EAGLE head's `layers` decoder layers and
+    `features` "pre" or "post" (None: an --init head's own, "post" for a fresh one); Medusa heads
+    with LM heads of their own."""
+    if method == "eagle":
+        return (("num_layers", layers),) + ((("features", features),) if features else ())
+    if method == "medusa" and own_lm_heads:
+        return (("own_lm_heads", True),)
+    return ()
 
 
 def train_cli(a):
@@ -341,8 +354,8 @@ def train_cli(a):
     print(f"feature cache: {len(toks)} sequences x {a.seq_len} tokens in {time.time() - t0:.1f}s")
     cfg = TrainConfig(method=a.method, steps=a.steps, batch_size=a.batch_size, seq_len=a.seq_len,
                       lr=a.lr, seed=a.seed, draft_vocab=a.draft_vocab,
-                      labels=a.labels, hparams=eagle_hparams(a.layers, a.eagle_features)
-                      if a.method == "eagle" else ())
+                      labels=a.labels, hparams=head_hparams(a.method, a.layers, a.eagle_features,
+                                                            a.own_lm_heads))
     init = spec_jax.load_draft(a.init) if a.init else None
     heads, hist = train(target, {"tokens": toks, "mask": mask, "feats": feats, "aux": aux}, cfg,
                         out_dir=out, ckpt_dir=out.parent / f".{out.name}.ckpt", resume=a.resume,
