@@ -335,7 +335,7 @@ def test_soft_label_training_learns_the_target(toy, method):
 def test_medusa_heads_given_own_lm_heads_start_where_they_were(toy, tmp_path):
     """own_lm_heads gives each Medusa head a copy of the target's LM head (over the draft
     vocabulary): fine-tuning starts at the shared heads' loss, the copies then train apart, and the
-    heads save, load and decode losslessly, with the tree using only the heads it reaches."""
+    heads save, load and decode losslessly."""
     target, prompts, seqs = toy
     data = data_for(target, seqs, "medusa")
     cfg = TrainConfig(method="medusa", steps=60, batch_size=8, seq_len=SEQ, lr=2e-2, warmup=5,

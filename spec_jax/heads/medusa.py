@@ -10,8 +10,7 @@ total_tokens - 1 best nodes. The heads run once either way.
 By default every head reads through the target's frozen LM head over the draft vocabulary
 (spec_jax.heads.vocab): one [H, Vd] read serves all K heads. With `own_lm_heads` (the paper's
 Medusa-1 design) each head has its own trainable LM head, `lm_heads` [K, H, Vd], initialised from
-the target's (`add_lm_heads`): more capacity, and K reads a step instead of one; only the heads
-the tree is deep enough to use are run."""
+the target's (`add_lm_heads`): more capacity, and K reads a step instead of one."""
 from __future__ import annotations
 
 import dataclasses
@@ -53,15 +52,12 @@ class MedusaState:
     hidden: jax.Array  # [B, H] target hidden at the node that produced the root
 
 
-def medusa_logits(dparams, tparams, tcfg, hidden, heads: int | None = None):
-    """hidden [B, H] -> logits of the first `heads` (default all K) heads [B, K, Vd] (float32;
-    Vd = V without a draft vocabulary)."""
-    n = dparams["w"].shape[0] if heads is None else heads
+def medusa_logits(dparams, tparams, tcfg, hidden):
+    """hidden [B, H] -> per-head logits [B, K, Vd] (float32; Vd = V without a draft vocabulary)."""
     h = rms_norm(hidden, tparams["final_norm"], tcfg.rms_norm_eps)[:, None, :]  # [B, 1, H]
-    z = h + jax.nn.silu(jnp.einsum("bxh,khd->bkd", h, dparams["w"][:n]) + dparams["b"][:n])
-    if "lm_heads" in dparams:
-        return jnp.einsum("bkh,khv->bkv", z, dparams["lm_heads"][:n],
-                          preferred_element_type=jnp.float32)
+    z = h + jax.nn.silu(jnp.einsum("bxh,khd->bkd", h, dparams["w"]) + dparams["b"])
+    if "lm_heads" in dparams:  # all K: slicing the weights first copies them (XLA:CPU, 10x slower)
+        return jnp.einsum("bkh,khv->bkv", z, dparams["lm_heads"], preferred_element_type=jnp.float32)
     return cpu_gemm.dot_f32(z, shared_head_weight(dparams, tparams, tcfg))
 
 
@@ -112,7 +108,7 @@ class MedusaDrafter(Drafter):
             return self._propose_dynamic(dparams, tparams, tcfg, state, root), state
         parent, depth, rank, _, _, _ = self.tree.arrays()
         b = root.shape[0]
-        logits = medusa_logits(dparams, tparams, tcfg, state.hidden, self.max_depth)  # [B, D, V]
+        logits = medusa_logits(dparams, tparams, tcfg, state.hidden)  # [B, K, V]
         r = int(rank.max()) + 1
         _, top = jax.lax.top_k(logits, r)  # [B, K, r]
         head = jnp.asarray(depth[1:] - 1)
@@ -123,7 +119,7 @@ class MedusaDrafter(Drafter):
     def _propose_dynamic(self, dparams, tparams, tcfg, state, root):
         k, depth, total = self.dynamic
         b = root.shape[0]
-        logits = medusa_logits(dparams, tparams, tcfg, state.hidden, depth)  # [B, D, V]
+        logits = medusa_logits(dparams, tparams, tcfg, state.hidden)[:, :depth]  # [B, D, V]
         logp, tok = topk_logp(logits, dparams, k)  # [B, D, k]
         pool_tok, pool_score = [tok[:, 0]], [logp[:, 0]]
         pool_parent = [jnp.full((b, k), -1, jnp.int32)]
