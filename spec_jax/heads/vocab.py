@@ -4,8 +4,9 @@ SmolLM2's 49152 tokens: 6x less memory traffic, and a 6x cheaper training loss);
 scores the full vocabulary, so outputs stay exactly the target's.
 
 EAGLE-3 trains its own [H, Vd] LM head (Medusa may: one per head). EAGLE-1/2, Medusa and MTP
-otherwise read through the target's frozen LM head: for them `bind_target` adds its [H, Vd] column slice as `lm_sub`, derived from the target
-at load time and never saved. `d2t` [Vd] maps draft ids to target ids, `t2d` [V] back (-1 outside).
+otherwise read through the target's frozen LM head: for them `bind_target` adds its [H, Vd]
+column slice as `lm_sub`, derived from the target at load time and never saved. `d2t` [Vd] maps
+draft ids to target ids, `t2d` [V] back (-1 outside).
 """
 from __future__ import annotations
 
