@@ -68,6 +68,10 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("spec-jax: error:") and "config.json" in err[0]
     assert main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 2
     assert "spec-jax fetch" in capsys.readouterr().err
+    assert main(["train", "--method", "eagle", "--own-lm-heads", "--data", str(tmp_path),
+                 "--out", str(tmp_path / "h")]) == 2  # a medusa option, refused before any work
+    err = capsys.readouterr().err
+    assert "--own-lm-heads does not apply to --method eagle" in err and not (tmp_path / "h").exists()
 
 
 def test_cli_generate_json(smollm2, tmp_path, capsys):

@@ -343,6 +343,14 @@ def train_cli(a):
     import spec_jax
     from spec_jax.train.distill import load_sets
 
+    wrong = [flag for flag, used, method in (("--own-lm-heads", a.own_lm_heads, "medusa"),
+                                             ("--layers", a.layers != 1, "eagle"),
+                                             ("--eagle-features", a.eagle_features, "eagle"))
+             if used and a.method != method]
+    if wrong:
+        raise SpecJaxError(f"{', '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to "
+                           f"--method {a.method} (--own-lm-heads is for medusa, --layers and "
+                           "--eagle-features for eagle): leave them out")
     target = spec_jax.load_target(a.model)
     out = Path(a.out)
     if out.exists() and (out / "spec_jax.json").exists() and not (a.resume or a.force):
