@@ -1,6 +1,7 @@
 """`generate`: plain or speculative decoding of one prompt (or a batch), with measured stats."""
 from __future__ import annotations
 
+import collections
 import dataclasses
 import time
 from typing import Any, Sequence
@@ -151,10 +152,8 @@ def sizing_setting(temperature: np.ndarray, top_p: np.ndarray) -> tuple[float, f
     """The (temperature, top_p) a batch's tree is sized for: greedy if every row is greedy, else
     the commonest setting of its sampling rows (a batch with any sampling row verifies by
     sampling), the first row's among equals."""
-    sampled = [(float(t), float(p)) for t, p in zip(temperature, top_p) if t > 0]
-    if not sampled:
-        return 0.0, 1.0
-    return max(sampled, key=sampled.count)
+    sampled = collections.Counter((float(t), float(p)) for t, p in zip(temperature, top_p) if t > 0)
+    return sampled.most_common(1)[0][0] if sampled else (0.0, 1.0)  # ties: first seen first
 
 
 def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int | Sequence[int] = 128, *,

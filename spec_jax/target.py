@@ -75,16 +75,31 @@ class Target:
         return cache_for(self.cfg, batch, num_slots,
                          per_layer=isinstance(self.params["layers"], (list, tuple)))
 
-    def logits(self, token_ids: Sequence[int]) -> np.ndarray:
-        """Full-sequence logits [T, V] (float32) for one sequence; used by parity checks."""
+    def logits(self, token_ids) -> np.ndarray:
+        """Full-sequence logits (float32): [T, V] for one sequence of ids [T], [B, T, V] for a batch
+        of equal-length ones [B, T]. Used by parity checks and exact references. Sequences are
+        right-padded to a multiple of 16 (causal attention leaves the real positions unchanged),
+        so a reference loop that grows a sequence compiles once per 16 tokens, not per token."""
         from spec_jax.models.llama import causal_mask, forward
 
-        ids = jnp.asarray(np.asarray(token_ids, np.int32)[None])
-        t = ids.shape[1]
-        out = jax.jit(forward, static_argnums=1, static_argnames="return_logits")(
-            self.params, self.cfg, ids, jnp.arange(t, dtype=jnp.int32)[None],
-            self.new_cache(1, 8), causal_mask(1, t))
-        return np.asarray(out.logits[0], np.float32)
+        ids = np.asarray(token_ids, np.int32)
+        one = ids.ndim == 1
+        ids = ids[None] if one else ids
+        b, t = ids.shape
+        padded = np.zeros((b, -(-t // 16) * 16), np.int32)
+        padded[:, :t] = ids
+        if "logits" not in self.compiled:
+            cfg = self.cfg
+
+            def run(params, ids):
+                b, t = ids.shape
+                pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+                cache = self.new_cache(b, 8)
+                return forward(params, cfg, ids, pos, cache, causal_mask(b, t)).logits
+
+            self.compiled["logits"] = jax.jit(run)
+        out = np.asarray(self.compiled["logits"](self.params, jnp.asarray(padded)), np.float32)
+        return out[0, :t] if one else out[:, :t]
 
     def fingerprint(self) -> str:
         """A short hash of the architecture and a sample of the weights (draft heads check it)."""

@@ -92,9 +92,14 @@ def _per_row(x, ndim: int):
 
 def _processed(logits, temperature, top_p):
     """Temperature and nucleus as numbers to apply: (z [..., V] scaled logits, zmax and norm
-    [..., 1] with softmax(z) = exp(z - zmax) / norm, t [..., 1] the nucleus threshold on those
-    probabilities, mass [..., 1] the kept mass). The processed probability of x is
-    exp(z_x - zmax) / norm / mass where that is >= t, else 0.
+    [..., 1] with softmax(z) = exp(z - zmax) / norm, zt [..., 1] the nucleus threshold on z,
+    mass [..., 1] the kept mass). The processed probability of x is exp(z_x - zmax) / norm / mass
+    where z_x >= zt, else 0.
+
+    The threshold is found on probabilities but applied to z: a token's z is read from one array
+    wherever it is gathered, while exp(z - zmax) / norm computed again in another fusion can round
+    differently by an ulp, which at the nucleus's edge dropped the edge token from one computation
+    and not from another.
 
     temperature and top_p: scalars, or one per row of the leading axis ([B], per-request settings
     in a batch). Temperature 0 is greedy: all the mass on the argmax (the first of equal
@@ -115,27 +120,28 @@ def _processed(logits, temperature, top_p):
 
     def nucleus():
         p = jnp.exp(z - zmax) / norm
-        t = nucleus_threshold(p, jnp.broadcast_to(top_p, norm.shape))
-        mass = jnp.sum(jnp.where(p >= t, p, 0.0), axis=-1, keepdims=True)
-        return t, jnp.where(top_p < 1.0, mass, 1.0)
+        kept = p >= nucleus_threshold(p, jnp.broadcast_to(top_p, norm.shape))
+        whole = top_p >= 1.0
+        zt = jnp.where(whole, -jnp.inf, jnp.min(jnp.where(kept, z, jnp.inf), -1, keepdims=True))
+        mass = jnp.where(whole, 1.0, jnp.sum(jnp.where(kept, p, 0.0), axis=-1, keepdims=True))
+        return zt, mass
 
-    t, mass = jax.lax.cond(jnp.any(top_p < 1.0), nucleus,
-                           lambda: (jnp.zeros_like(norm), jnp.ones_like(norm)))
-    return z, zmax, norm, t, mass
+    zt, mass = jax.lax.cond(jnp.any(top_p < 1.0), nucleus,
+                            lambda: (jnp.full_like(norm, -jnp.inf), jnp.ones_like(norm)))
+    return z, zmax, norm, zt, mass
 
 
-def _kept(z, zmax, norm, t):
-    """softmax probabilities exp(z - zmax) / norm, 0 below the nucleus threshold t (not yet
-    divided by the kept mass); z may be a gather of the scaled logits."""
-    p = jnp.exp(z - zmax) / norm
-    return jnp.where(p >= t, p, 0.0)
+def _kept(z, zmax, norm, zt):
+    """softmax probabilities exp(z - zmax) / norm, 0 where z is below the nucleus threshold zt
+    (not yet divided by the kept mass); z may be a gather of the scaled logits."""
+    return jnp.where(z >= zt, jnp.exp(z - zmax) / norm, 0.0)
 
 
 def target_probs(logits, temperature, top_p):
     """Processed target distribution: temperature, then nucleus (top-p). logits [..., V] f32;
     temperature, top_p scalars or per row [B] (`_processed`)."""
-    z, zmax, norm, t, mass = _processed(logits, temperature, top_p)
-    return _kept(z, zmax, norm, t) / mass
+    z, zmax, norm, zt, mass = _processed(logits, temperature, top_p)
+    return _kept(z, zmax, norm, zt) / mass
 
 
 SAMPLE_BLOCK = 128  # tokens per block of the two-level inverse-CDF sampler
