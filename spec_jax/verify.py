@@ -123,7 +123,7 @@ def _processed(logits, temperature, top_p):
         kept = p >= nucleus_threshold(p, jnp.broadcast_to(top_p, norm.shape))
         whole = top_p >= 1.0
         zt = jnp.where(whole, -jnp.inf, jnp.min(jnp.where(kept, z, jnp.inf), -1, keepdims=True))
-        mass = jnp.where(whole, 1.0, jnp.sum(jnp.where(kept, p, 0.0), axis=-1, keepdims=True))
+        mass = jnp.where(whole, 1.0, jnp.sum(jnp.where(z >= zt, p, 0.0), axis=-1, keepdims=True))
         return zt, mass
 
     zt, mass = jax.lax.cond(jnp.any(top_p < 1.0), nucleus,
