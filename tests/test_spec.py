@@ -63,15 +63,17 @@ def test_draft_vocabulary_stays_lossless_and_proposes_only_its_tokens(tiny_targe
 @pytest.mark.parametrize("method,tree", [(m, t) for m, ts in SMALL_TREES.items() for t in ts]
                          + [("ngram", None)], ids=lambda x: "switch" if isinstance(x, dict) else None)
 def test_greedy_speculative_equals_plain(tiny_target, heads, method, tree):
+    """Prompts of 1, 9 and 70 tokens, decoded as one batch (one compiled loop per tree)."""
     draft = "ngram" if method == "ngram" else heads[method]
-    for seed, plen in [(0, 1), (1, 9), (2, 70)]:
-        rng = np.random.RandomState(seed)
-        # repetitive prompts give the n-gram drafter something to find
-        prompt = list(np.tile(rng.randint(0, 64, 5), 20)[:plen])
-        plain = spec_jax.generate(tiny_target, prompt, 24, stop_at_eos=False)
-        spec = spec_jax.generate(tiny_target, prompt, 24, draft=draft, tree=tree, stop_at_eos=False)
-        assert spec.token_ids == plain.token_ids, (method, tree, seed)
-        s = spec.stats
+    # repetitive prompts give the n-gram drafter something to find
+    prompts = [list(np.tile(np.random.RandomState(seed).randint(0, 64, 5), 20)[:plen])
+               for seed, plen in [(0, 1), (1, 9), (2, 70)]]
+    plain = spec_jax.generate_batch(tiny_target, prompts, 24, stop_at_eos=False)
+    spec = spec_jax.generate_batch(tiny_target, prompts, 24, draft=draft, tree=tree,
+                                   stop_at_eos=False)
+    for i, (p, r) in enumerate(zip(plain, spec)):
+        assert r.token_ids == p.token_ids, (method, tree, i)
+        s = r.stats
         assert s["new_tokens"] == 24
         steps = sum(s["acceptance_histogram"])
         assert s["target_calls"] == steps + 1
