@@ -181,7 +181,10 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int | Sequ
     size_t, size_p = sizing_setting(temps, top_ps)
     drafter, dparams = resolve_drafter(target, draft, tree, b, attn_impl, datastore,
                                        temperature=size_t, top_p=size_p)
-    n_slots = _bucket(p_pad + max_new + 2 * drafter.tree_size + drafter.max_depth + 1, 128)
+    # the loop stops each row at its own limit (an input); the static output length is bucketed,
+    # so calls that differ only in max_new_tokens share a compiled loop
+    out_len = _bucket(max_new, 32)
+    n_slots = _bucket(p_pad + out_len + 2 * drafter.tree_size + drafter.max_depth + 1, 128)
     longest = max(range(b), key=lambda i: len(ids[i]) + row_max[i])
     p_len_i, max_i = len(ids[longest]), int(row_max[longest])
     if p_len_i + max_i > target.cfg.max_position_embeddings:
@@ -191,7 +194,7 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int | Sequ
     for i, x in enumerate(ids):
         tokens[i, :len(x)] = x
     greedy = not np.any(temps > 0)
-    settings = LoopSettings(max_new_tokens=max_new, greedy=greedy,
+    settings = LoopSettings(out_len=out_len, greedy=greedy,
                             eos_ids=target.eos_ids if stop_at_eos else (), attn_impl=attn_impl,
                             accept_rule=accept_rule)
     cache = target.new_cache(b, n_slots)

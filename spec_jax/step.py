@@ -31,7 +31,8 @@ FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
 class LoopSettings:
     """Static settings of one compiled loop."""
 
-    max_new_tokens: int  # the longest row's; each row's own limit is an input of the loop
+    out_len: int  # output tokens per row: at least the longest row's limit (each row stops at its
+    # own, an input of the loop; `generate_batch` rounds it up to a multiple of 32)
     greedy: bool = True
     eos_ids: tuple[int, ...] = ()
     attn_impl: str = "auto"
@@ -95,12 +96,12 @@ def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatu
              row_max_new, *, cfg: ModelConfig, drafter: Drafter, settings: LoopSettings):
     """Prefill + speculative loop. tokens [B, P] right-padded, prompt_len [B], key [B, 2] (each
     row's own), temperature and top_p [B] (per row; read only when the settings are not
-    greedy), row_max_new [B] each row's new-token limit (at most settings.max_new_tokens).
+    greedy), row_max_new [B] each row's new-token limit (at most settings.out_len).
     Pure; jit it."""
     b, p = tokens.shape
     n_slots = cache.num_slots
     t_size, depth = drafter.tree_size, drafter.max_depth
-    greedy, max_new = settings.greedy, settings.max_new_tokens
+    greedy, max_new = settings.greedy, settings.out_len
 
     # --- prefill ---
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))

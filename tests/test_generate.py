@@ -57,11 +57,12 @@ def test_keeps_the_most_recently_used_compiled_loops(monkeypatch):
 
     monkeypatch.setattr(importlib.import_module("spec_jax.generate"), "MAX_LOOPS", 2)
     t = spec_jax.random_target(tiny_config(), seed=0)
-    for n in (3, 4, 3, 5):  # max_new_tokens is a static setting: one loop each
+    for n in (3, 40, 3, 70):  # the output length, rounded up to 32, is static: one loop each
         spec_jax.generate(t, [1, 2], n, stop_at_eos=False)
-    kept = [k[2].max_new_tokens for k in t.compiled if k[0] == "loop"]
-    assert kept == [3, 5]  # 4 was the least recently used when 5 came
-    assert spec_jax.generate(t, [1, 2], 3).stats["compile_seconds"] == 0.0
+    kept = [k[2].out_len for k in t.compiled if k[0] == "loop"]
+    assert kept == [32, 96]  # 64 was the least recently used when 96 came
+    r = spec_jax.generate(t, [1, 2], 17, stop_at_eos=False)  # shares the loop of 3 tokens
+    assert r.stats["compile_seconds"] == 0.0 and len(r.token_ids) == 17
 
 
 def test_sampling_is_seeded(tiny_target):
