@@ -101,7 +101,7 @@ def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatu
     b, p = tokens.shape
     n_slots = cache.num_slots
     t_size, depth = drafter.tree_size, drafter.max_depth
-    greedy, max_new = settings.greedy, settings.out_len
+    greedy, out_len = settings.greedy, settings.out_len
 
     # --- prefill ---
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
@@ -117,7 +117,7 @@ def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatu
     dstate = drafter.after_prefill(dparams, params, cfg, dstate, PrefillContext(
         tokens=tokens, prompt_len=prompt_len, hidden=fwd.hidden, aux_hidden=fwd.aux_hidden,
         first_token=first))
-    out = jnp.zeros((b, max_new + depth + 1), jnp.int32)
+    out = jnp.zeros((b, out_len + depth + 1), jnp.int32)
     finish = jnp.full((b,), FINISH_RUNNING, jnp.int32)
     out, n_out, finish = _emit(out, jnp.zeros((b,), jnp.int32), finish, first[:, None],
                                jnp.ones((b,), jnp.int32), settings.eos_ids, row_max_new,
@@ -169,7 +169,7 @@ def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatu
                          out=out, n_out=n_out, finish=finish, calls=s.calls + 1, hist=hist, key=key)
 
     state = jax.lax.while_loop(cond, body, state)
-    return state.out[:, :max_new], state.n_out, state.finish, state.calls, state.hist, state.cache
+    return state.out[:, :out_len], state.n_out, state.finish, state.calls, state.hist, state.cache
 
 
 def compiled_loop(cfg: ModelConfig, drafter: Drafter, settings: LoopSettings):
