@@ -42,6 +42,7 @@ def exact_distribution(target, top_p, temp=TEMP):
     p1, p2, p3 = p[0, 0, 0], p[:, 0, 1], p[:, :, 2]  # [V] p(a), [V, V] p(b | a), [V, V, V]
     return (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
 
+
 def small_datastore(target):
     """A corpus over the V-token vocabulary: every context finds a continuation to graft."""
     from spec_jax.heads.datastore import build_datastore

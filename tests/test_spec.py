@@ -60,15 +60,21 @@ def test_draft_vocabulary_stays_lossless_and_proposes_only_its_tokens(tiny_targe
         assert spec.token_ids == plain.token_ids, (method, seed)
 
 
-@pytest.mark.parametrize("method,tree", [(m, t) for m, ts in SMALL_TREES.items() for t in ts]
-                         + [("ngram", None)], ids=lambda x: "switch" if isinstance(x, dict) else None)
-def test_greedy_speculative_equals_plain(tiny_target, heads, method, tree):
-    """Prompts of 1, 9 and 70 tokens, decoded as one batch (one compiled loop per tree)."""
-    draft = "ngram" if method == "ngram" else heads[method]
-    # repetitive prompts give the n-gram drafter something to find
+@pytest.fixture(scope="module")
+def plain_tiny(tiny_target):
+    """Three prompts of 1, 9 and 70 tokens and their plain greedy decoding (24 tokens), as a batch.
+    The prompts repeat a 5-token pattern, which gives the n-gram drafter something to find."""
     prompts = [list(np.tile(np.random.RandomState(seed).randint(0, 64, 5), 20)[:plen])
                for seed, plen in [(0, 1), (1, 9), (2, 70)]]
-    plain = spec_jax.generate_batch(tiny_target, prompts, 24, stop_at_eos=False)
+    return prompts, spec_jax.generate_batch(tiny_target, prompts, 24, stop_at_eos=False)
+
+
+@pytest.mark.parametrize("method,tree", [(m, t) for m, ts in SMALL_TREES.items() for t in ts]
+                         + [("ngram", None)], ids=lambda x: "switch" if isinstance(x, dict) else None)
+def test_greedy_speculative_equals_plain(tiny_target, heads, plain_tiny, method, tree):
+    """Prompts of 1, 9 and 70 tokens, decoded as one batch (one compiled loop per tree)."""
+    draft = "ngram" if method == "ngram" else heads[method]
+    prompts, plain = plain_tiny
     spec = spec_jax.generate_batch(tiny_target, prompts, 24, draft=draft, tree=tree,
                                    stop_at_eos=False)
     for i, (p, r) in enumerate(zip(plain, spec)):
