@@ -37,6 +37,7 @@ class Run:
     compile_s: float
     tree_tokens: int
     hist: tuple[int, ...] = ()  # acceptance histogram: steps that accepted 0, 1, 2, ... drafts
+    same_as_plain: bool | None = None  # greedy: token for token equal to plain decoding's output
 
 
 def summarize(runs: list[Run], verify_time: Callable[[int], float] | None = None,
@@ -60,6 +61,9 @@ def summarize(runs: list[Run], verify_time: Callable[[int], float] | None = None
                "new_tokens": tok, "tau": (tok - len(rs)) / steps if steps else None,
                "tokens_per_second": tok / wall if wall else 0.0, "wall_seconds": wall,
                "compile_seconds": sum(r.compile_s for r in rs), "tree_tokens": rs[0].tree_tokens}
+        checked = [r.same_as_plain for r in rs if r.same_as_plain is not None]
+        if checked:
+            row["equal_to_plain"] = f"{sum(checked)}/{len(checked)}"
         if verify_time is not None and wall > 0:
             v = sum(r.steps * verify_time(r.tree_tokens) for r in rs)
             row["verify_share"] = min(v / wall, 1.0)
@@ -75,23 +79,29 @@ def summarize(runs: list[Run], verify_time: Callable[[int], float] | None = None
 
 
 def markdown(rows) -> str:
-    head = "| set | category | method | tree | τ | tok/s | speedup | verify share |\n|---|---|---|---|---|---|---|---|"
+    head = ("| set | category | method | tree | τ | tok/s | speedup | verify share | = plain |\n"
+            "|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         sp = f"{r['speedup']:.2f}×" if r.get("speedup") else "–"
         vs = f"{r['verify_share']:.0%}" if "verify_share" in r else "–"
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "–"
         lines.append(f"| {r['prompt_set']} | {r['category']} | {r['method']} | {r['tree_tokens']} | "
-                     f"{tau} | {r['tokens_per_second']:.1f} | {sp} | {vs} |")
+                     f"{tau} | {r['tokens_per_second']:.1f} | {sp} | {vs} | "
+                     f"{r.get('equal_to_plain', '–')} |")
     return "\n".join(lines)
 
 
 def run_bench(target, drafts: dict[str, tuple[Any, Any]], prompt_sets: dict[str, list],
               max_new_tokens: int, progress=True, datastore=None, temperature: float = 0.0,
-              top_p: float = 1.0, seed: int = 0) -> list[Run]:
+              top_p: float = 1.0, seed: int = 0,
+              on_run: Callable[[Run], None] | None = None) -> list[Run]:
     """drafts: name -> (draft, tree); prompt_sets: name -> [Prompt]. Interleaved by prompt.
     `datastore` serves the drafts whose tree has +ds:N. Greedy, or sampled at (temperature,
-    top_p) with seed `seed + i` for the i-th prompt, the same for every method."""
+    top_p) with seed `seed + i` for the i-th prompt, the same for every method. Greedy runs
+    record whether each output equals plain decoding's ("plain" must come first in `drafts`).
+    `on_run` sees each run as it finishes (the CLI appends it to runs.jsonl: a run cut short by a
+    time limit keeps what it measured)."""
     import spec_jax
     from tqdm import tqdm
 
@@ -103,6 +113,7 @@ def run_bench(target, drafts: dict[str, tuple[Any, Any]], prompt_sets: dict[str,
     runs = []
     items = [(s, p) for s, ps in prompt_sets.items() for p in ps]
     for i, (pset, p) in enumerate(tqdm(items, disable=not progress, desc="bench")):
+        plain_ids = None
         for name, (draft, tree) in drafts.items():
             kw = {"draft": draft, "tree": tree,
                   "datastore": datastore if uses_datastore(tree) else None,
@@ -113,11 +124,18 @@ def run_bench(target, drafts: dict[str, tuple[Any, Any]], prompt_sets: dict[str,
                 r = spec_jax.generate(target, p.text, max_new_tokens, **kw)
                 r.stats["compile_seconds"] = c
             s = r.stats
+            same = None
+            if temperature == 0 and draft is None and tree is None:
+                plain_ids = r.token_ids
+            elif temperature == 0 and plain_ids is not None:
+                same = r.token_ids == plain_ids
             runs.append(Run(method=name, prompt_set=pset, category=p.category,
                             new_tokens=s["new_tokens"], steps=sum(s["acceptance_histogram"]),
                             wall=s["wall_seconds"], compile_s=s["compile_seconds"],
                             tree_tokens=s["tree_tokens"],
-                            hist=tuple(s["acceptance_histogram"])))
+                            hist=tuple(s["acceptance_histogram"]), same_as_plain=same))
+            if on_run is not None:
+                on_run(runs[-1])
     return runs
 
 
@@ -261,9 +279,17 @@ def bench_cli(a):
                 if not ds_n:
                     tree = chosen if chosen != PLAIN else "plain"
         drafts[label] = (None, None) if tree == "plain" else (heads, tree or None)
-    runs = run_bench(target, drafts, sets, a.max_new_tokens, datastore=ds, seed=a.seed, **sampling)
+    log = out / "runs.jsonl"
+    log.write_text("")
+
+    def record(r: Run):
+        with log.open("a") as f:
+            f.write(json.dumps(dataclasses.asdict(r)) + "\n")
+
+    runs = run_bench(target, drafts, sets, a.max_new_tokens, datastore=ds, seed=a.seed,
+                     on_run=record, **sampling)
     items = [(s, p) for s, ps in sets.items() for p in ps]
-    for mode in ("greedy", "prompt_lookup"):
+    for mode in ("greedy", "prompt_lookup") if a.peers else ():
         try:
             runs += transformers_peer(target, items, a.max_new_tokens, mode, seed=a.seed, **sampling)
         except Exception as e:  # a missing peer is reported, never fatal

@@ -262,6 +262,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="size trees on 8 prompts of this file (spread over its categories, none "
                         "that the bench measures) instead of the built-in calibration prompts; "
                         "implies --calibrate; the choice is cached for tree='auto' as any sizing is")
+    b.add_argument("--no-peers", dest="peers", action="store_false",
+                   help="skip transformers' generate (greedy and prompt lookup) in the run")
     b.set_defaults(fn=cmd_bench)
     return p
 

@@ -68,6 +68,9 @@ def load_params(path: Path):
     with ocp.StandardCheckpointer() as ckptr:
         meta = ckptr.metadata(path)
         tree = getattr(meta, "item_metadata", meta)
-        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype), tree)
+        # on this process's first device: a checkpoint saved on another backend (CPU-trained
+        # heads served on a GPU) names devices that are not here
+        here = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here), tree)
         restored = ckptr.restore(path, target)
     return jax.tree.map(jnp.asarray, restored)  # device arrays, not host numpy

@@ -335,11 +335,38 @@ def test_a_sampled_bench_gives_every_method_the_same_seed_per_prompt(tiny_target
 
     monkeypatch.setattr(spec_jax, "generate", spy)
     prompts = [Prompt(source="s", id=str(i), category="c", text=t) for i, t in enumerate([[1, 2], [3, 4]])]
+    seen = []
     runs = run_bench(tiny_target, {"plain": (None, None), "ngram": ("ngram", None)}, {"s": prompts},
-                     4, progress=False, temperature=0.8, top_p=0.9, seed=7)
-    assert len(runs) == 4
+                     4, progress=False, temperature=0.8, top_p=0.9, seed=7, on_run=seen.append)
+    assert len(runs) == 4 and seen == runs
+    assert all(r.same_as_plain is None for r in runs)  # sampled: no token-for-token comparison
     seeds = {(p, d): seed for p, d, t, tp, seed in calls if (t, tp) == (0.8, 0.9)}
     assert seeds == {((1, 2), None): 7, ((1, 2), "ngram"): 7, ((3, 4), None): 8, ((3, 4), "ngram"): 8}
+
+
+def test_a_greedy_bench_records_equality_with_plain_decoding(tiny_target, monkeypatch):
+    """Greedy: each drafter's output is compared with plain decoding's on the same prompt, and
+    the table says how many of a method's prompts matched."""
+    import spec_jax
+    from spec_jax.bench import run_bench
+    from spec_jax.data import Prompt
+
+    real = spec_jax.generate
+
+    def off_by_one(target, prompt, max_new_tokens, **kw):  # a drafter that drifts on prompt [3, 4]
+        r = real(target, prompt, max_new_tokens, **kw)
+        if kw["draft"] == "ngram" and list(prompt) == [3, 4]:
+            r.token_ids = r.token_ids[:-1] + [r.token_ids[-1] + 1]
+        return r
+
+    monkeypatch.setattr(spec_jax, "generate", off_by_one)
+    prompts = [Prompt(source="s", id=str(i), category="c", text=t) for i, t in enumerate([[1, 2], [3, 4]])]
+    runs = run_bench(tiny_target, {"plain": (None, None), "ngram": ("ngram", None)}, {"s": prompts},
+                     4, progress=False)
+    assert [(r.method, r.same_as_plain) for r in runs] == [
+        ("plain", None), ("ngram", True), ("plain", None), ("ngram", False)]
+    table = markdown(summarize(runs))
+    assert "| s | all | ngram |" in table and table.splitlines()[2].endswith("| 1/2 |")
 
 
 def test_sizing_also_runs_the_dynamic_twin_of_medusa_trees(tiny_target, tmp_path, monkeypatch):

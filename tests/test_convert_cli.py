@@ -74,8 +74,8 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert "--own-lm-heads does not apply to --method eagle" in err and not (tmp_path / "h").exists()
 
 
-def test_cli_generate_json(smollm2, tmp_path, capsys):
-    """A tiny random model with SmolLM2's tokenizer: `generate --json` prints one JSON object."""
+def _tiny_checkpoint_with_smollm2_tokenizer(tmp_path):
+    """A tiny random Llama with SmolLM2's tokenizer, converted: CLI runs in seconds."""
     import shutil
 
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -90,10 +90,53 @@ def test_cli_generate_json(smollm2, tmp_path, capsys):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(SMOLLM2 / name, hf / name)
     assert main(["convert", "--hf", str(hf), "--out", str(tmp_path / "ck")]) == 0
+    return tmp_path / "ck"
+
+
+def test_cli_generate_json(smollm2, tmp_path, capsys):
+    """`generate --json` prints one JSON object."""
+    ck = _tiny_checkpoint_with_smollm2_tokenizer(tmp_path)
     capsys.readouterr()
-    assert main(["generate", "--model", str(tmp_path / "ck"), "--prompt", "hello",
+    assert main(["generate", "--model", str(ck), "--prompt", "hello",
                  "--max-new-tokens", "5", "--json", "--draft", "ngram"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert set(out) == {"text", "token_ids", "stats"}
     assert 1 <= len(out["token_ids"]) <= 5 and out["stats"]["new_tokens"] == len(out["token_ids"])
     assert out["text"] == smollm2.tokenizer.decode(out["token_ids"], skip_special_tokens=True)
+
+
+def test_params_saved_on_another_backend_load_here(tmp_path):
+    """Heads trained on a CPU and served on a GPU: the checkpoint names a device not present here."""
+    import jax
+    import jax.numpy as jnp
+
+    from spec_jax.io import load_params, save_params
+
+    params = {"w": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.ones(3, np.float32)}
+    save_params(tmp_path / "p", jax.tree.map(jnp.asarray, params))  # jax arrays record a device
+    sharding = tmp_path / "p" / "_sharding"
+    sharding.write_text(sharding.read_text().replace("cpu:0", "cuda:0"))
+    back = load_params(tmp_path / "p")
+    np.testing.assert_array_equal(np.asarray(back["w"]), params["w"])
+    np.testing.assert_array_equal(np.asarray(back["b"]), params["b"])
+
+
+def test_cli_bench_writes_its_table_and_each_run_as_it_ends(smollm2, tmp_path, capsys):
+    """`bench`: a Markdown table on stdout (with equality to plain decoding), results.json, the
+    plots, and runs.jsonl, a line per (prompt, method) written as each run ends."""
+    ck = _tiny_checkpoint_with_smollm2_tokenizer(tmp_path)
+    prompts = tmp_path / "myset" / "question.jsonl"  # a file's set is named by its folder
+    prompts.parent.mkdir()
+    prompts.write_text("".join(json.dumps({"prompt": t, "category": c}) + "\n"
+                               for t, c in [("hello", "a"), ("one two three", "b")]))
+    out = tmp_path / "bench"
+    capsys.readouterr()
+    assert main(["bench", "--model", str(ck), "--drafts", "ngram", "--no-peers", "--prompts",
+                 str(prompts), "--limit", "2", "--max-new-tokens", "6", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "| = plain |" in table and "transformers" not in table
+    assert "| myset | all | ngram |" in table and "| 2/2 |" in table  # greedy: lossless
+    runs = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
+    assert [(r["method"], r["category"]) for r in runs] == [
+        ("plain", "a"), ("ngram", "a"), ("plain", "b"), ("ngram", "b")]
+    assert {p.name for p in out.iterdir()} >= {"results.json", "results.md", "runs.jsonl"}
