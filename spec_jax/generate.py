@@ -12,7 +12,8 @@ import numpy as np
 
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter
-from spec_jax.step import FINISH_LENGTH, FINISH_STOP, LoopSettings, compiled_loop, loop_precision
+from spec_jax.step import (FINISH_LENGTH, FINISH_STOP, LoopSettings, compiled_loop, compiled_prefill,
+                           loop_precision)
 from spec_jax.target import Target
 from spec_jax.tree import tree_object
 
@@ -22,6 +23,7 @@ FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
 # with four heads compiled ~60 loops in one process and aborted inside LLVM ("Cannot allocate
 # memory", then a segfault).
 MAX_LOOPS = 24
+SLOT_STEP = 512  # cache slots are a multiple of this: the compiled loop is shared across prompts
 
 
 @dataclasses.dataclass
@@ -156,6 +158,24 @@ def sizing_setting(temperature: np.ndarray, top_p: np.ndarray) -> tuple[float, f
     return sampled.most_common(1)[0][0] if sampled else (0.0, 1.0)  # ties: first seen first
 
 
+def _compiled(target: Target, key: tuple, precision: str, lower):
+    """The compiled program under `key` (its kind first), compiled from `lower()` under
+    `precision` if absent; returns it and the seconds its compile took. Each kind keeps its
+    MAX_LOOPS most recently used programs (the dict's order is the order of use)."""
+    fn = target.compiled.pop(key, None)
+    seconds = 0.0
+    if fn is None:
+        t0 = time.perf_counter()
+        with jax.default_matmul_precision(precision):
+            fn = lower().compile()
+        seconds = time.perf_counter() - t0
+        same_kind = [k for k in target.compiled if k[0] == key[0]]
+        for k in same_kind[:max(len(same_kind) - MAX_LOOPS + 1, 0)]:  # least recently used first
+            del target.compiled[k]
+    target.compiled[key] = fn
+    return fn, seconds
+
+
 def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int | Sequence[int] = 128, *,
                    temperature: float | Sequence[float] = 0.0, top_p: float | Sequence[float] = 1.0,
                    seed: int | Sequence[int] = 0, chat: bool = True, draft=None, tree=None,
@@ -184,7 +204,10 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int | Sequ
     # the loop stops each row at its own limit (an input); the static output length is bucketed,
     # so calls that differ only in max_new_tokens share a compiled loop
     out_len = _bucket(max_new, 32)
-    n_slots = _bucket(p_pad + out_len + 2 * drafter.tree_size + drafter.max_depth + 1, 128)
+    # the loop's shapes depend on the cache, not the prompt: slots in steps of 512, so prompts of
+    # different lengths share one compiled loop (only the cheaper prefill compiles per 64 tokens)
+    n_slots = _bucket(max(p_pad, p_len + out_len + 2 * drafter.tree_size + drafter.max_depth + 1),
+                      SLOT_STEP)
     longest = max(range(b), key=lambda i: len(ids[i]) + row_max[i])
     p_len_i, max_i = len(ids[longest]), int(row_max[longest])
     if p_len_i + max_i > target.cfg.max_position_embeddings:
@@ -203,23 +226,23 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int | Sequ
     dsig = (jax.tree.structure(dparams),
             tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(dparams)))
     precision = loop_precision(target.cfg, precision)
-    ck = ("loop", drafter, settings, b, p_pad, n_slots, dsig, precision)
-    compile_s = 0.0
-    fn = target.compiled.pop(ck, None)
-    if fn is None:
-        t0 = time.perf_counter()
-        with jax.default_matmul_precision(precision):
-            fn = compiled_loop(target.cfg, drafter, settings).lower(*args).compile()
-        compile_s = time.perf_counter() - t0
-        loops = [k for k in target.compiled if k[0] == "loop"]
-        for k in loops[:max(len(loops) - MAX_LOOPS + 1, 0)]:  # least recently used first
-            del target.compiled[k]
-    target.compiled[ck] = fn  # (re)inserted last: the dict's order is the order of use
+    pk = ("prefill", drafter, settings, b, p_pad, n_slots, dsig, precision)
+    run_prefill, c1 = _compiled(target, pk, precision, lambda: compiled_prefill(
+        target.cfg, drafter, settings).lower(*args))
+    rest = args[6:]  # temperature, top_p, row_max_new
+
+    def lower_loop():  # against the state's shapes: they do not depend on the prompt's length
+        state = jax.eval_shape(compiled_prefill(target.cfg, drafter, settings), *args)
+        return compiled_loop(target.cfg, drafter, settings).lower(target.params, dparams, state, *rest)
+
+    run_loop, c2 = _compiled(target, ("loop", drafter, settings, b, n_slots, dsig, precision),
+                             precision, lower_loop)
+    compile_s = c1 + c2
     t0 = time.perf_counter()
-    out, n_out, finish, calls, hist, _ = jax.block_until_ready(fn(*args))
+    final = jax.block_until_ready(run_loop(target.params, dparams, run_prefill(*args), *rest))
     wall = time.perf_counter() - t0
-    out, n_out, finish, hist = map(np.asarray, (out, n_out, finish, hist))
-    calls = int(calls)
+    out, n_out, finish, hist = map(np.asarray, (final.out, final.n_out, final.finish, final.hist))
+    calls = int(final.calls)
     results = []
     for i in range(b):
         toks = out[i, :n_out[i]].tolist()

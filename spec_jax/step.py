@@ -1,4 +1,4 @@
-"""The jitted draft-verify loop: prefill, then `lax.while_loop` over fixed-shape steps.
+"""The jitted draft-verify loop: `prefill`, then `decode`, a `lax.while_loop` over fixed-shape steps.
 
 One step: the drafter proposes a tree of T nodes (root = last accepted token); the target scores
 the whole tree in one forward pass (tree mask over its committed cache + the tree's own keys, RoPE
@@ -92,18 +92,17 @@ def _emit(state_out, n_out, finish, new, count, eos_ids, max_new, active):
     return out, n_out + count, finish
 
 
-def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperature, top_p,
-             row_max_new, *, cfg: ModelConfig, drafter: Drafter, settings: LoopSettings):
-    """Prefill + speculative loop. tokens [B, P] right-padded, prompt_len [B], key [B, 2] (each
-    row's own), temperature and top_p [B] (per row; read only when the settings are not
-    greedy), row_max_new [B] each row's new-token limit (at most settings.out_len).
-    Pure; jit it."""
+def prefill(params, dparams, tokens, prompt_len, cache: KVCache, key, temperature, top_p,
+            row_max_new, *, cfg: ModelConfig, drafter: Drafter, settings: LoopSettings) -> LoopState:
+    """The prompt's forward pass, its first token and the drafter's state: the loop's start.
+    tokens [B, P] right-padded, prompt_len [B], key [B, 2] (each row's own), temperature and
+    top_p [B] (per row; read only when the settings are not greedy), row_max_new [B] each row's
+    new-token limit (at most settings.out_len). No shape of the state depends on P, so one
+    compiled `decode` serves every prompt length that fits the cache. Pure; jit it."""
     b, p = tokens.shape
     n_slots = cache.num_slots
     t_size, depth = drafter.tree_size, drafter.max_depth
     greedy, out_len = settings.greedy, settings.out_len
-
-    # --- prefill ---
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     fwd = forward(params, cfg, tokens, positions, cache, causal_mask(b, p),
                   aux_layers=drafter.aux_layers, return_logits=False, attn_impl=settings.attn_impl)
@@ -124,9 +123,21 @@ def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatu
                                jnp.ones((b,), bool))
     finish = jnp.where((finish == FINISH_RUNNING) & (cache.length + t_size > n_slots),
                        FINISH_LENGTH, finish)
-    state = LoopState(cache=cache, dstate=dstate, root=first, out=out, n_out=n_out, finish=finish,
-                      calls=jnp.zeros((), jnp.int32), hist=jnp.zeros((b, depth + 1), jnp.int32),
-                      key=key)
+    return LoopState(cache=cache, dstate=dstate, root=first, out=out, n_out=n_out, finish=finish,
+                     calls=jnp.zeros((), jnp.int32), hist=jnp.zeros((b, depth + 1), jnp.int32),
+                     key=key)
+
+
+def decode(params, dparams, state: LoopState, temperature, top_p, row_max_new, *,
+           cfg: ModelConfig, drafter: Drafter, settings: LoopSettings):
+    """The speculative loop from `prefill`'s state until every row stops; returns the final
+    state (its `out` [B, N + D + 1]: the first n_out [B] of each row are its tokens), whose
+    buffers are the donated state's. Pure; jit it."""
+    b = state.root.shape[0]
+    rows = jnp.arange(b)
+    n_slots = state.cache.num_slots
+    t_size, depth = drafter.tree_size, drafter.max_depth
+    greedy = settings.greedy
 
     def cond(s: LoopState):
         return jnp.any(s.finish == FINISH_RUNNING)
@@ -168,11 +179,16 @@ def run_loop(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatu
         return LoopState(cache=cache, dstate=dstate, root=jnp.where(active, verdict.bonus, s.root),
                          out=out, n_out=n_out, finish=finish, calls=s.calls + 1, hist=hist, key=key)
 
-    state = jax.lax.while_loop(cond, body, state)
-    return state.out[:, :out_len], state.n_out, state.finish, state.calls, state.hist, state.cache
+    return jax.lax.while_loop(cond, body, state)
+
+
+def compiled_prefill(cfg: ModelConfig, drafter: Drafter, settings: LoopSettings):
+    """The jitted `prefill` for these static settings; the cache (argument 4) is donated."""
+    fn = functools.partial(prefill, cfg=cfg, drafter=drafter, settings=settings)
+    return jax.jit(fn, donate_argnums=(4,))
 
 
 def compiled_loop(cfg: ModelConfig, drafter: Drafter, settings: LoopSettings):
-    """The jitted loop for these static settings; the cache (argument 4) is donated."""
-    fn = functools.partial(run_loop, cfg=cfg, drafter=drafter, settings=settings)
-    return jax.jit(fn, donate_argnums=(4,))
+    """The jitted `decode` loop for these static settings; the state (argument 2) is donated."""
+    fn = functools.partial(decode, cfg=cfg, drafter=drafter, settings=settings)
+    return jax.jit(fn, donate_argnums=(2,))
