@@ -107,7 +107,7 @@ def _features(target, data_dir, seqs, plens, seq_len, aux_layers, folder):
                 return tuple(np.load(f / f"{n}.npy", mmap_mode="r")
                              if (n != "aux" or aux_layers) and (f / f"{n}.npy").is_file()
                              else None for n in names)
-    arrays = feature_cache(target, seqs, plens, seq_len, aux_layers)
+    arrays = feature_cache(target, seqs, plens, seq_len, aux_layers, progress=True)
     if folder:
         f.mkdir(parents=True, exist_ok=True)
         for n, x in zip(names, arrays):
