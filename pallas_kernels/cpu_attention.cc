@@ -7,7 +7,9 @@
 //
 // Why: XLA:CPU runs this as ~10 small ops per layer and reads every cache slot, written or not.
 // Here one call per layer reads only slots below each row's length, and each key row is scored
-// against up to 16 queries of its KV head at once (one per vector lane).
+// against up to 16 queries of its KV head at once (one per vector lane); their softmaxes run
+// lane-parallel too, and with AVX-512 several of them share each value row they sum (verifying 8
+// tokens: 1.5x the speed of one query at a time, docs/benchmarks.md).
 //
 // A query's result depends only on the keys it sees, in order (valid cache slots, then visible
 // block keys): each score is one FMA chain over D, each key's weight lands in sum lane
@@ -77,14 +79,6 @@ inline v16 vexp(v16 x) {
   std::memcpy(&scale, &e, 64);
   const v16 y = p * scale;
   return x < lo ? v16{} : y;
-}
-
-inline float hsum(v16 v) {  // fixed tree order
-  float s[kL];
-  store(s, v);
-  for (int w = kL / 2; w > 0; w /= 2)
-    for (int i = 0; i < w; ++i) s[i] += s[i + w];
-  return s[0];
 }
 
 // out[s][i] = scale * (k_s . q_i) for SB key rows and the query lanes of qt [D][16] (transposed
@@ -158,6 +152,75 @@ void weighted_sum(const float* p, const float* const* v, int64_t cnt, int64_t D,
     for (int64_t d = 0; d < D; d += kL) store(out + d, fma(v16{} + p[j], load(v[j] + d), load(out + d)));
 }
 
+// acc[r][0:D] = sum over lane r's keys j (cache keys, then its visible block keys in order) of
+// e[j][r] * v_j, for lanes r < R. QB lanes share each loaded value row; each element stays one
+// FMA chain over j, so a lane's result does not depend on which lanes share its pass.
+template <int DV, int QB, typename BlkRow>
+void weighted_group(const float* e, const float* const* v, int64_t nc, const std::vector<int64_t>& blk,
+                    BlkRow blk_row, int64_t r0, float* acc) {
+  v16 a[QB][DV];
+  for (int q = 0; q < QB; ++q)
+    for (int c = 0; c < DV; ++c) a[q][c] = v16{};
+  for (int64_t j = 0; j < nc; ++j) {
+    v16 x[DV];
+    for (int c = 0; c < DV; ++c) x[c] = load(v[j] + c * kL);
+    for (int q = 0; q < QB; ++q) {
+      const v16 p = v16{} + e[j * kL + r0 + q];
+      for (int c = 0; c < DV; ++c) a[q][c] = fma(p, x[c], a[q][c]);
+    }
+  }
+  for (int q = 0; q < QB; ++q) {
+    for (int c = 0; c < DV; ++c) store(acc + (r0 + q) * DV * kL + c * kL, a[q][c]);
+  }
+  // block keys (few): lane by lane, each chain continued from where the cache keys left it
+  for (int q = 0; q < QB; ++q) {
+    v16 b[DV];
+    bool any = false;
+    for (int64_t i : blk) {
+      if (i % kL != r0 + q) continue;
+      if (!any) {
+        for (int c = 0; c < DV; ++c) b[c] = load(acc + (r0 + q) * DV * kL + c * kL);
+        any = true;
+      }
+      const int64_t n = i / kL;
+      const float* row = blk_row(n);
+      const v16 p = v16{} + e[(nc + n) * kL + r0 + q];
+      for (int c = 0; c < DV; ++c) b[c] = fma(p, load(row + c * kL), b[c]);
+    }
+    if (any)
+      for (int c = 0; c < DV; ++c) store(acc + (r0 + q) * DV * kL + c * kL, b[c]);
+  }
+}
+
+template <typename BlkRow>
+void weighted_lanes(const float* e, const float* const* v, int64_t nc, const std::vector<int64_t>& blk,
+                    BlkRow blk_row, int64_t R, int64_t D, float* acc) {
+#if defined(__AVX512F__)
+  // 16 accumulators of 16 lanes: saturates both FMA ports, fits the 32 registers
+  auto groups = [&](auto run, int qb) { for (int64_t r0 = 0; r0 < R; r0 += qb) run(r0); };
+  switch (D / kL) {
+    case 1: return groups([&](int64_t r0) { weighted_group<1, 16>(e, v, nc, blk, blk_row, r0, acc); }, 16);
+    case 2: return groups([&](int64_t r0) { weighted_group<2, 8>(e, v, nc, blk, blk_row, r0, acc); }, 8);
+    case 4: return groups([&](int64_t r0) { weighted_group<4, 4>(e, v, nc, blk, blk_row, r0, acc); }, 4);
+    case 8: return groups([&](int64_t r0) { weighted_group<8, 2>(e, v, nc, blk, blk_row, r0, acc); }, 2);
+  }
+#endif
+  // one lane at a time (its weights gathered in rank order), as `weighted_sum` lays them out
+  std::vector<float> p(nc + blk.size());
+  std::vector<const float*> rows(v, v + nc);
+  for (int64_t r = 0; r < R; ++r) {
+    rows.resize(nc);
+    for (int64_t j = 0; j < nc; ++j) p[j] = e[j * kL + r];
+    int64_t k = nc;
+    for (int64_t i : blk)
+      if (i % kL == r) {
+        p[k++] = e[(nc + i / kL) * kL + r];
+        rows.push_back(blk_row(i / kL));
+      }
+    weighted_sum(p.data(), rows.data(), k, D, acc + r * D);
+  }
+}
+
 struct AttnJob {
   const float *q, *kc, *vc, *kn, *vn;
   const bool *valid, *mask;
@@ -213,37 +276,57 @@ struct AttnJob {
     if (R > 8) score_all<v8>(w.rows.data(), nc + N, D, w.qt.data() + 8, scale, w.sc.data() + 8);
 #endif
 
-    for (int64_t t = 0; t < nt; ++t) {
-      const bool* mrow = mask + (b * T + t0 + t) * N;
-      w.blk.clear();
-      w.vrows.resize(nc);
-      for (int64_t n = 0; n < N; ++n)
-        if (mrow[n]) {
-          w.blk.push_back(n);
-          w.vrows.push_back(blk_row(vn, n));
+    // Softmax of all R queries at once, one per lane (sc holds [key][lane]): per lane the
+    // same operations in the same order as one query alone, so bits do not depend on R.
+    const float* sc = w.sc.data();
+    int64_t cnt[kL];
+    w.blk.clear();  // visible (block key, lane) pairs, by key
+    v16 m = v16{} - INFINITY;
+    for (int64_t j = 0; j < nc; ++j) {
+      const v16 x = load(sc + j * kL);
+      m = m < x ? x : m;
+    }
+    float mm[kL];
+    store(mm, m);
+    for (int64_t r = 0; r < kL; ++r) cnt[r] = r < R ? nc : 0;
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t r = 0; r < R; ++r)
+        if (mask[(b * T + t0 + r / G) * N + n]) {
+          mm[r] = std::max(mm[r], sc[(nc + n) * kL + r]);
+          w.blk.push_back(n * kL + r);
+          ++cnt[r];
         }
-      const int64_t cnt = nc + w.blk.size(), cp = (cnt + kL - 1) / kL * kL;
-      float* o = out + ((b * T + t0 + t) * H + kvh * G) * D;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t lane = t * G + g;
-        float* p = w.p.data();
-        float m = -INFINITY;
-        for (int64_t j = 0; j < nc; ++j) p[j] = w.sc[j * kL + lane];
-        for (int64_t j = nc; j < cnt; ++j) p[j] = w.sc[(nc + w.blk[j - nc]) * kL + lane];
-        for (int64_t j = 0; j < cnt; ++j) m = std::max(m, p[j]);
-        for (int64_t j = cnt; j < cp; ++j) p[j] = -INFINITY;
-        v16 lsum = v16{};
-        for (int64_t j = 0; j < cp; j += kL) {
-          const v16 e = vexp(load(p + j) - m);
-          store(p + j, e);
-          lsum += e;
-        }
-        const float l = cnt ? hsum(lsum) : 0.f;
-        float* acc = w.acc.data();
-        weighted_sum(p, w.vrows.data(), cnt, D, acc);
-        const float inv = l > 0.f ? 1.f / l : 0.f;  // nothing visible (padding): zeros
-        for (int64_t d = 0; d < D; ++d) o[g * D + d] = acc[d] * inv;
-      }
+    for (int64_t r = 0; r < kL; ++r)
+      if (cnt[r] == 0) mm[r] = 0.f;  // nothing visible (or an unused lane): no inf - inf
+    m = load(mm);
+    // e = exp(score - max) of every key; each lane's weights summed in lane (rank % 16), in
+    // rank order, then folded in a fixed tree (classes 8, 4, 2, 1 apart).
+    float* e = w.p.data();
+    float* sums = w.acc.data() + D * kL;  // [16 classes][16 lanes]
+    std::fill(sums, sums + kL * kL, 0.f);
+    for (int64_t j = 0; j < nc; ++j) {
+      const v16 x = vexp(load(sc + j * kL) - m);
+      store(e + j * kL, x);
+      store(sums + (j % kL) * kL, load(sums + (j % kL) * kL) + x);
+    }
+    for (int64_t n = 0; n < N; ++n) store(e + (nc + n) * kL, vexp(load(sc + (nc + n) * kL) - m));
+    int64_t rank[kL];
+    for (int64_t r = 0; r < kL; ++r) rank[r] = nc;
+    for (int64_t i : w.blk) {
+      const int64_t n = i / kL, r = i % kL;
+      sums[(rank[r]++ % kL) * kL + r] += e[(nc + n) * kL + r];
+    }
+    for (int64_t half = kL / 2; half > 0; half /= 2)
+      for (int64_t c = 0; c < half; ++c)
+        store(sums + c * kL, load(sums + c * kL) + load(sums + (c + half) * kL));
+    // out = sum_j e_j v_j / l, each element one FMA chain over the lane's keys in rank order
+    float* acc = w.acc.data();  // [16 lanes][D]
+    weighted_lanes(e, w.vrows.data(), nc, w.blk, [&](int64_t n) { return blk_row(vn, n); }, R, D, acc);
+    for (int64_t r = 0; r < R; ++r) {
+      const float l = cnt[r] ? sums[r] : 0.f;
+      const float inv = l > 0.f ? 1.f / l : 0.f;  // nothing visible (padding): zeros
+      float* o = out + ((b * T + t0 + r / G) * H + kvh * G + r % G) * D;
+      for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
     }
   }
 
@@ -251,11 +334,11 @@ struct AttnJob {
     Scratch w;
     w.qt.resize(D * kL);
     w.sc.resize((S + N) * kL);
-    w.p.resize(S + N + kL);
-    w.acc.resize(D);
+    w.p.resize((S + N) * kL);
+    w.acc.resize(D * kL + kL * kL);
     w.rows.reserve(S + N);
     w.vrows.reserve(S + N);
-    w.blk.reserve(N);
+    w.blk.reserve(N * kL);
     claims.drain([&](int64_t c) { item(c, w); });
   }
 };

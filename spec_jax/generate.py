@@ -231,9 +231,10 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int | Sequ
         target.cfg, drafter, settings).lower(*args))
     rest = args[6:]  # temperature, top_p, row_max_new
 
-    def lower_loop():  # against the state's shapes: they do not depend on the prompt's length
-        state = jax.eval_shape(compiled_prefill(target.cfg, drafter, settings), *args)
-        return compiled_loop(target.cfg, drafter, settings).lower(target.params, dparams, state, *rest)
+    def lower_loop():  # against the state's shapes (the compiled prefill's outputs, so it is
+        # not traced again): they do not depend on the prompt's length
+        return compiled_loop(target.cfg, drafter, settings).lower(
+            target.params, dparams, run_prefill.out_info, *rest)
 
     run_loop, c2 = _compiled(target, ("loop", drafter, settings, b, n_slots, dsig, precision),
                              precision, lower_loop)

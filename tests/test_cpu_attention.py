@@ -57,6 +57,19 @@ def test_cache_and_block_keys_give_identical_bits():
         np.testing.assert_array_equal(np.asarray(one)[:, 0], tree[:, i])
 
 
+@pytest.mark.parametrize("g,d", [(3, 64), (4, 32), (2, 128), (5, 16), (1, 48)])
+def test_a_query_gets_the_same_bits_whichever_queries_share_its_pass(g, d):
+    """Queries are scored, normalised and summed several to a pass (one per vector lane, several
+    lanes per value row); each one's result must not depend on its neighbours or its lane."""
+    b, t, kvh, s = 2, 8, 2, 300
+    q, kc, vc, valid, length, kn, vn, _ = make_inputs(b, t, kvh, g, d, s, [250, 90], jnp.float32, g)
+    mask = jnp.asarray(np.random.default_rng(d).random((b, t, t)) < 0.5)
+    together = np.asarray(attend(q, kc, vc, valid, length, kn, vn, mask, impl="cpu"))
+    for i in range(t):
+        alone = attend(q[:, i:i + 1], kc, vc, valid, length, kn, vn, mask[:, i:i + 1], impl="cpu")
+        np.testing.assert_array_equal(np.asarray(alone)[:, 0], together[:, i])
+
+
 def test_gradients_and_vmap():
     args = make_inputs(2, 4, 2, 2, 16, 40, [30, 12], jnp.float32, 5)
     diff = lambda impl: jax.grad(
