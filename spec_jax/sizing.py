@@ -79,7 +79,7 @@ DEFAULT_PROMPTS = [
 ]
 # New tokens per calibration prompt: chat answers run to a few hundred tokens, and the later ones
 # repeat more of the context, where the n-gram arms pay. At 160 the profile rated the same 8-token
-# switch at tau 2.27 where 256 gave 2.65 (2.61 measured on MT-bench); sizing took ~400 s either way.
+# switch at tau 2.26 where 256 gave 2.66 (2.61 measured on MT-bench); sizing took ~400 s either way.
 CALIBRATION_TOKENS = 256
 TREE_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 GRAFT_DEPTHS = (2, 4, 8, 16)  # n-gram chains tried on top of each tree (spec_jax.heads.graft)
