@@ -154,14 +154,17 @@ void weighted_sum(const float* p, const float* const* v, int64_t cnt, int64_t D,
 
 // acc[r][0:D] = sum over lane r's keys j (cache keys, then its visible block keys in order) of
 // e[j][r] * v_j, for lanes r < R. QB lanes share each loaded value row; each element stays one
-// FMA chain over j, so a lane's result does not depend on which lanes share its pass.
+// FMA chain over j, so a lane's result does not depend on which lanes share its pass. The shared
+// pass covers the first nv keys of v (the cache keys, and on a long block its keys too, with e = 0
+// where a lane may not see one: an exact no-op in an FMA chain); block keys in `blk` follow lane
+// by lane.
 template <int DV, int QB, typename BlkRow>
-void weighted_group(const float* e, const float* const* v, int64_t nc, const std::vector<int64_t>& blk,
-                    BlkRow blk_row, int64_t r0, float* acc) {
+void weighted_group(const float* e, const float* const* v, int64_t nv, const std::vector<int64_t>& blk,
+                    BlkRow blk_row, int64_t nc, int64_t r0, float* acc) {
   v16 a[QB][DV];
   for (int q = 0; q < QB; ++q)
     for (int c = 0; c < DV; ++c) a[q][c] = v16{};
-  for (int64_t j = 0; j < nc; ++j) {
+  for (int64_t j = 0; j < nv; ++j) {
     v16 x[DV];
     for (int c = 0; c < DV; ++c) x[c] = load(v[j] + c * kL);
     for (int q = 0; q < QB; ++q) {
@@ -194,17 +197,22 @@ void weighted_group(const float* e, const float* const* v, int64_t nc, const std
   }
 }
 
+// `shared` (a long block, see AttnJob::item): v holds the nb block value rows after the cache's,
+// and e is zero where a lane may not see a block key.
 template <typename BlkRow>
-void weighted_lanes(const float* e, const float* const* v, int64_t nc, const std::vector<int64_t>& blk,
-                    BlkRow blk_row, int64_t R, int64_t D, float* acc) {
+void weighted_lanes(const float* e, const float* const* v, int64_t nc, int64_t nb, bool shared,
+                    const std::vector<int64_t>& blk, BlkRow blk_row, int64_t R, int64_t D, float* acc) {
 #if defined(__AVX512F__)
   // 16 accumulators of 16 lanes: saturates both FMA ports, fits the 32 registers
   auto groups = [&](auto run, int qb) { for (int64_t r0 = 0; r0 < R; r0 += qb) run(r0); };
+  static const std::vector<int64_t> none;
+  const int64_t nv = shared ? nc + nb : nc;
+  const auto& rest = shared ? none : blk;
   switch (D / kL) {
-    case 1: return groups([&](int64_t r0) { weighted_group<1, 16>(e, v, nc, blk, blk_row, r0, acc); }, 16);
-    case 2: return groups([&](int64_t r0) { weighted_group<2, 8>(e, v, nc, blk, blk_row, r0, acc); }, 8);
-    case 4: return groups([&](int64_t r0) { weighted_group<4, 4>(e, v, nc, blk, blk_row, r0, acc); }, 4);
-    case 8: return groups([&](int64_t r0) { weighted_group<8, 2>(e, v, nc, blk, blk_row, r0, acc); }, 2);
+    case 1: return groups([&](int64_t r0) { weighted_group<1, 16>(e, v, nv, rest, blk_row, nc, r0, acc); }, 16);
+    case 2: return groups([&](int64_t r0) { weighted_group<2, 8>(e, v, nv, rest, blk_row, nc, r0, acc); }, 8);
+    case 4: return groups([&](int64_t r0) { weighted_group<4, 4>(e, v, nv, rest, blk_row, nc, r0, acc); }, 4);
+    case 8: return groups([&](int64_t r0) { weighted_group<8, 2>(e, v, nv, rest, blk_row, nc, r0, acc); }, 2);
   }
 #endif
   // one lane at a time (its weights gathered in rank order), as `weighted_sum` lays them out
@@ -233,7 +241,7 @@ struct AttnJob {
   spec_jax::Claims claims;  // one item per (row, KV head, chunk of block positions)
 
   struct Scratch {
-    std::vector<float> qt, sc, p, acc;
+    std::vector<float> qt, sc, p, acc, vis;
     std::vector<const float*> rows, vrows;
     std::vector<int64_t> blk;
   };
@@ -256,6 +264,14 @@ struct AttnJob {
 
     // Scores of the visible cache slots (shared by the item's queries) in order, then of every
     // block key: sc[j][lane].
+    const bool* mrow = mask + (b * T + t0) * N;  // [nt][N]
+    int64_t nb = 0;
+    for (int64_t t = 0; t < nt; ++t)
+      for (int64_t n = N - 1; n >= nb; --n)
+        if (mrow[t * N + n]) {
+          nb = n + 1;
+          break;
+        }
     w.rows.clear();
     w.vrows.clear();
     const bool* vrow = valid + b * S;
@@ -265,17 +281,17 @@ struct AttnJob {
         w.vrows.push_back(vcb + s * D);
       }
     const int64_t nc = w.rows.size();
-    for (int64_t n = 0; n < N; ++n) w.rows.push_back(blk_row(kn, n));
+    for (int64_t n = 0; n < nb; ++n) w.rows.push_back(blk_row(kn, n));
     // Half-width vectors do the same lanes' work at up to twice the rate. Without AVX-512 the
     // upper 8 lanes take a second half-width pass: full-width tiles would not fit the registers.
 #if defined(__AVX512F__)
     if (R > 8)
-      score_all<v16>(w.rows.data(), nc + N, D, w.qt.data(), scale, w.sc.data());
+      score_all<v16>(w.rows.data(), nc + nb, D, w.qt.data(), scale, w.sc.data());
     else
-      score_all<v8>(w.rows.data(), nc + N, D, w.qt.data(), scale, w.sc.data());
+      score_all<v8>(w.rows.data(), nc + nb, D, w.qt.data(), scale, w.sc.data());
 #else
-    score_all<v8>(w.rows.data(), nc + N, D, w.qt.data(), scale, w.sc.data());
-    if (R > 8) score_all<v8>(w.rows.data(), nc + N, D, w.qt.data() + 8, scale, w.sc.data() + 8);
+    score_all<v8>(w.rows.data(), nc + nb, D, w.qt.data(), scale, w.sc.data());
+    if (R > 8) score_all<v8>(w.rows.data(), nc + nb, D, w.qt.data() + 8, scale, w.sc.data() + 8);
 #endif
 
     // Softmax of all R queries at once, one per lane (sc holds [key][lane]): per lane the
@@ -291,13 +307,22 @@ struct AttnJob {
     float mm[kL];
     store(mm, m);
     for (int64_t r = 0; r < kL; ++r) cnt[r] = r < R ? nc : 0;
-    for (int64_t n = 0; n < N; ++n)
-      for (int64_t r = 0; r < R; ++r)
-        if (mask[(b * T + t0 + r / G) * N + n]) {
+    float* vis = w.vis.data();  // [nb][16]: 1 where the lane sees the block key
+    for (int64_t n = 0; n < nb; ++n)
+      for (int64_t r = 0; r < kL; ++r) {
+        const bool seen = r < R && mrow[(r / G) * N + n];
+        vis[n * kL + r] = seen ? 1.f : 0.f;
+        if (seen) {
           mm[r] = std::max(mm[r], sc[(nc + n) * kL + r]);
           w.blk.push_back(n * kL + r);
           ++cnt[r];
         }
+      }
+    // A long, mostly visible block (a causal prefill) joins the shared pass over value rows; a
+    // draft tree's few, sparsely visible keys go lane by lane.
+    const bool shared = nb > kL && 2 * static_cast<int64_t>(w.blk.size()) >= nb * R;
+    if (shared)
+      for (int64_t n = 0; n < nb; ++n) w.vrows.push_back(blk_row(vn, n));
     for (int64_t r = 0; r < kL; ++r)
       if (cnt[r] == 0) mm[r] = 0.f;  // nothing visible (or an unused lane): no inf - inf
     m = load(mm);
@@ -311,7 +336,8 @@ struct AttnJob {
       store(e + j * kL, x);
       store(sums + (j % kL) * kL, load(sums + (j % kL) * kL) + x);
     }
-    for (int64_t n = 0; n < N; ++n) store(e + (nc + n) * kL, vexp(load(sc + (nc + n) * kL) - m));
+    for (int64_t n = 0; n < nb; ++n)  // unseen: 0 (a select: an unseen score's exp may overflow)
+      store(e + (nc + n) * kL, load(vis + n * kL) > 0.f ? vexp(load(sc + (nc + n) * kL) - m) : v16{});
     int64_t rank[kL];
     for (int64_t r = 0; r < kL; ++r) rank[r] = nc;
     for (int64_t i : w.blk) {
@@ -323,7 +349,8 @@ struct AttnJob {
         store(sums + c * kL, load(sums + c * kL) + load(sums + (c + half) * kL));
     // out = sum_j e_j v_j / l, each element one FMA chain over the lane's keys in rank order
     float* acc = w.acc.data();  // [16 lanes][D]
-    weighted_lanes(e, w.vrows.data(), nc, w.blk, [&](int64_t n) { return blk_row(vn, n); }, R, D, acc);
+    weighted_lanes(e, w.vrows.data(), nc, nb, shared, w.blk, [&](int64_t n) { return blk_row(vn, n); }, R, D,
+                   acc);
     for (int64_t r = 0; r < R; ++r) {
       const float l = cnt[r] ? sums[r] : 0.f;
       const float inv = l > 0.f ? 1.f / l : 0.f;  // nothing visible (padding): zeros
@@ -338,6 +365,7 @@ struct AttnJob {
     w.sc.resize((S + N) * kL);
     w.p.resize((S + N) * kL);
     w.acc.resize(D * kL + kL * kL);
+    w.vis.resize(N * kL);
     w.rows.reserve(S + N);
     w.vrows.reserve(S + N);
     w.blk.reserve(N * kL);

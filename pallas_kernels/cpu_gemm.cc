@@ -85,15 +85,22 @@ inline void rest(int n, const float* x, int64_t K, const float* panel, float* y,
   }
 }
 
-// All R rows against panels [p0, p1).
+// All R rows against panels [p0, p1): rows in blocks of at most kRowBytes of x (one block for
+// decoding and verification), so that a prefill's rows stay in cache while the chunk's panels
+// stream past them.
+constexpr int64_t kRowBytes = 256 << 10;
 void panels(const float* x, int64_t R, int64_t K, const float* w, int64_t N, float* y,
             int64_t p0, int64_t p1) {
-  for (int64_t p = p0; p < p1; ++p) {
-    const float* panel = w + p * K * kPanel;
-    float* yp = y + p * kPanel;
-    int64_t r = 0;
-    for (; r + kTop <= R; r += kTop) tile<kTop>(x + r * K, K, panel, yp + r * N, N);
-    if (r < R) rest(static_cast<int>(R - r), x + r * K, K, panel, yp + r * N, N);
+  const int64_t block = std::max<int64_t>(kTop, kRowBytes / (K * 4) / kTop * kTop);
+  for (int64_t r0 = 0; r0 < R; r0 += block) {
+    const int64_t r1 = std::min(R, r0 + block);
+    for (int64_t p = p0; p < p1; ++p) {
+      const float* panel = w + p * K * kPanel;
+      float* yp = y + p * kPanel;
+      int64_t r = r0;
+      for (; r + kTop <= r1; r += kTop) tile<kTop>(x + r * K, K, panel, yp + r * N, N);
+      if (r < r1) rest(static_cast<int>(r1 - r), x + r * K, K, panel, yp + r * N, N);
+    }
   }
 }
 

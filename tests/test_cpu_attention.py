@@ -42,13 +42,18 @@ def test_draft_buffer_wider_than_block_and_nothing_visible():
     np.testing.assert_allclose(out[seen], ref[seen], atol=2e-6, rtol=0)
 
 
-def test_cache_and_block_keys_give_identical_bits():
-    """Verifying a chain over the block equals decoding it token by token from the cache."""
-    b, t, kvh, g, d, s = 1, 6, 3, 3, 64, 64
+@pytest.mark.parametrize("t", [6, 40])
+def test_cache_and_block_keys_give_identical_bits(t):
+    """Verifying a chain over the block equals decoding it token by token from the cache; so does
+    a long causal block (a prefill's), whose value rows the kernel sums for several queries at
+    once instead of query by query."""
+    b, kvh, g, d, s = 1, 3, 3, 64, 64
     q, kc, vc, _, _, kn, vn, _ = make_inputs(b, t, kvh, g, d, s, [20], jnp.float32, 7)
     valid = jnp.ones((b, s), bool)
     causal = jnp.tril(jnp.ones((t, t), bool))[None]
     tree = np.asarray(attend(q, kc, vc, valid, jnp.asarray([20]), kn, vn, causal, impl="cpu"))
+    ref = tree_attention_reference(q, kc, vc, valid, jnp.asarray([20]), kn, vn, causal)
+    np.testing.assert_allclose(tree, np.asarray(ref), atol=2e-6, rtol=0)
     for i in range(t):  # token i decoded alone: tokens < i already committed to slots 20..
         kc_i = kc.at[:, :, 20:20 + i].set(kn[:, :i].transpose(0, 2, 1, 3))
         vc_i = vc.at[:, :, 20:20 + i].set(vn[:, :i].transpose(0, 2, 1, 3))

@@ -29,14 +29,14 @@ def test_packed_matmul_is_exact_and_row_independent(k, n):
     assert p in (16, 32) and pw.shape == (k, n) and pw.panels.shape == (n // p, k, p)
     np.testing.assert_array_equal(np.asarray(cpu_gemm.unpack(pw)), w)
     mm = jax.jit(cpu_gemm.matmul)
-    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 17, 64, 65):  # every tile; XLA past 64
+    # every tile; 300 rows of K = 576 span three row blocks (a prefill's)
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 15, 17, 64, 65, 300):
         x = rng.standard_normal((rows, k), dtype=np.float32)
         y = np.asarray(mm(x, pw))
         ref = x.astype(np.float64) @ w.astype(np.float64)
         assert np.abs(y - ref).max() <= 1e-5 * np.abs(ref).max()
-        if rows <= cpu_gemm.MAX_ROWS:
-            one_by_one = np.concatenate([np.asarray(mm(x[i:i + 1], pw)) for i in range(rows)])
-            np.testing.assert_array_equal(y, one_by_one)  # bit-identical whatever the row count
+        one_by_one = np.concatenate([np.asarray(mm(x[i:i + 1], pw)) for i in range(rows)])
+        np.testing.assert_array_equal(y, one_by_one)  # bit-identical whatever the row count
 
 
 def test_leading_axes_and_gradients():
@@ -79,6 +79,32 @@ def test_packed_target_matches_unrolled_and_stays_lossless():
     for draft, tree in (("ngram", None), (heads, "dynamic:4,3,8")):
         r = spec_jax.generate(target, prompt, 40, draft=draft, tree=tree, stop_at_eos=False)
         assert r.token_ids == plain
+
+
+def test_a_prompt_runs_in_a_compiled_longer_prefill_with_the_same_bits():
+    """With the packed kernels a prompt's results do not depend on its padding, so a prompt whose
+    64-token bucket has no program yet runs in a compiled one up to twice as long: the tokens it
+    gets in its own bucket, and nothing compiles."""
+    cfg = tiny_config(vocab_size=96, hidden_size=64, intermediate_size=128, num_heads=4,
+                      num_kv_heads=2, head_dim=16)
+    base = spec_jax.random_target(cfg, seed=1, scale=0.3)
+    packed = lambda: spec_jax.target.Target(cfg=cfg, params=pack_layers(base.params))  # noqa: E731
+    short, long = [3 + i % 50 for i in range(40)], [5 + i % 40 for i in range(100)]
+    heads = spec_jax.init_draft(packed(), "eagle", seed=0)
+    for draft, tree in ((None, None), (heads, "dynamic:4,3,8")):
+        alone = packed()
+        want = spec_jax.generate(alone, short, 12, draft=draft, tree=tree, stop_at_eos=False)
+        assert [k[4] for k in alone.compiled if k[0] == "prefill"] == [64]
+        t = packed()
+        spec_jax.generate(t, long, 12, draft=draft, tree=tree, stop_at_eos=False)
+        r = spec_jax.generate(t, short, 12, draft=draft, tree=tree, stop_at_eos=False)
+        assert r.token_ids == want.token_ids and r.stats["compile_seconds"] == 0.0
+        assert [k[4] for k in t.compiled if k[0] == "prefill"] == [128]
+    t = packed()
+    spec_jax.generate(t, [7] * 150, 12, stop_at_eos=False)
+    r = spec_jax.generate(t, short, 12, stop_at_eos=False)  # 192 tokens would pad 64 more than 2x
+    assert r.stats["compile_seconds"] > 0
+    assert [k[4] for k in t.compiled if k[0] == "prefill"] == [192, 64]
 
 
 def test_layers_argument_is_checked(tmp_path):

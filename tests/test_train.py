@@ -277,8 +277,8 @@ def test_distill_stores_length_sorted_batches_in_prompt_order(tmp_path, tiny_tar
 
 
 def test_chunked_feature_pass_matches_one_pass(tiny_target):
-    """feature_cache's chunked prefill (at most 64 rows per product: the packed CPU kernel's
-    range) and its length-sorted, cut batches give the one-pass features on every real position."""
+    """feature_cache's chunked prefill and its length-sorted, cut batches give the one-pass
+    features on every real position."""
     rng = np.random.default_rng(0)
     lens = [30, 100, 70, 150, 9]
     seqs = [rng.integers(0, 64, n).astype(np.int32) for n in lens]
