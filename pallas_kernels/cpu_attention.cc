@@ -9,7 +9,8 @@
 // Here one call per layer reads only slots below each row's length, and each key row is scored
 // against up to 16 queries of its KV head at once (one per vector lane); their softmaxes run
 // lane-parallel too, and with AVX-512 several of them share each value row they sum (verifying 8
-// tokens: 1.5x the speed of one query at a time, docs/benchmarks.md).
+// tokens: 1.5x the speed of one query at a time, docs/benchmarks.md). A prefill's long causal
+// block is scored only up to each item's last visible key and summed in the shared pass.
 //
 // A query's result depends only on the keys it sees, in order (valid cache slots, then visible
 // block keys): each score is one FMA chain over D, each key's weight lands in sum lane
@@ -262,8 +263,9 @@ struct AttnJob {
     const float* vcb = vc + (b * KVH + kvh) * S * D;
     auto blk_row = [&](const float* base, int64_t n) { return base + ((b * N + n) * KVH + kvh) * D; };
 
-    // Scores of the visible cache slots (shared by the item's queries) in order, then of every
-    // block key: sc[j][lane].
+    // Scores of the visible cache slots (shared by the item's queries) in order, then of the
+    // block keys up to the last one any of the item's queries sees (for a causal prefill's items,
+    // about half of them): sc[j][lane].
     const bool* mrow = mask + (b * T + t0) * N;  // [nt][N]
     int64_t nb = 0;
     for (int64_t t = 0; t < nt; ++t)

@@ -91,7 +91,7 @@ def test_a_prompt_runs_in_a_compiled_longer_prefill_with_the_same_bits():
     packed = lambda: spec_jax.target.Target(cfg=cfg, params=pack_layers(base.params))  # noqa: E731
     short, long = [3 + i % 50 for i in range(40)], [5 + i % 40 for i in range(100)]
     heads = spec_jax.init_draft(packed(), "eagle", seed=0)
-    for draft, tree in ((None, None), (heads, "dynamic:4,3,8")):
+    for draft, tree in ((None, None), ("ngram", None), (heads, "dynamic:4,3,8")):
         alone = packed()
         want = spec_jax.generate(alone, short, 12, draft=draft, tree=tree, stop_at_eos=False)
         assert [k[4] for k in alone.compiled if k[0] == "prefill"] == [64]

@@ -235,7 +235,8 @@ def pack_layers(params):
     """Unrolled layers with float32 matrices (and the LM head) in the CPU kernel's panel layout.
 
     Decoding and verification then read each weight once, contiguously, for 1-64 rows, and a
-    prefill runs through the same kernel in row blocks (see `pallas_kernels.cpu_gemm`). A tied LM head gets a packed copy of embed.T (+V*H floats)."""
+    prefill runs through the same kernel in row blocks (see `pallas_kernels.cpu_gemm`). A tied
+    LM head gets a packed copy of embed.T (+V*H floats)."""
     params = unstack_layers(params)
     out = {**params, "layers": [cpu_gemm.pack_matrices(lp, PACKED_KEYS) for lp in params["layers"]]}
     lm = lm_head_weight(params)
