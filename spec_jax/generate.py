@@ -23,6 +23,7 @@ FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
 # with four heads compiled ~60 loops in one process and aborted inside LLVM ("Cannot allocate
 # memory", then a segfault).
 MAX_LOOPS = 24
+PROMPT_STEP = 64  # prompts are padded to a multiple of this: one prefill program per bucket
 SLOT_STEP = 512  # cache slots are a multiple of this: the compiled loop is shared across prompts
 
 
@@ -169,13 +170,12 @@ def pads_freely(target: Target, attn_impl: str = "auto") -> bool:
     return target.layout == "packed" and cpu_gemm.available() and resolve_impl(attn_impl) == "cpu"
 
 
-def _prefill_bucket(target: Target, key: tuple, p_pad: int, n_slots: int) -> int:
-    """The prompt bucket to prefill in: `p_pad`, or the shortest already compiled program with the
-    same settings (`key`, its bucket left out) that pads at most 2x: no new compile (2-3 s for
-    SmolLM2 here) for at most the prefill's own time again (0.07-0.4 s up to 512 tokens)."""
-    wider = [k[4] for k in target.compiled if k[0] == "prefill" and k[:4] + k[5:] == key
-             and p_pad < k[4] <= min(2 * p_pad, n_slots)]
-    return min(wider, default=p_pad)
+def _prefill_bucket(target: Target, key, p_pad: int, n_slots: int) -> int:
+    """The prompt bucket to prefill in: `p_pad`, or the shortest longer one, up to 2x, whose
+    program `key(bucket)` is already compiled: no new compile (2-3 s for SmolLM2 here) for at most
+    the prefill's own time again (0.07-0.4 s up to 512 tokens)."""
+    wider = range(p_pad + PROMPT_STEP, min(2 * p_pad, n_slots) + 1, PROMPT_STEP)
+    return next((p for p in wider if key(p) in target.compiled), p_pad)
 
 
 def _compiled(target: Target, key: tuple, precision: str, lower):
@@ -217,7 +217,7 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int | Sequ
         raise SpecJaxError("temperature must be >= 0 and top_p in (0, 1]")
     ids = [target.encode(p, chat=chat) for p in prompts]
     p_len = max(len(x) for x in ids)
-    p_pad = _bucket(p_len, 64)
+    p_pad = _bucket(p_len, PROMPT_STEP)
     size_t, size_p = sizing_setting(temps, top_ps)
     drafter, dparams = resolve_drafter(target, draft, tree, b, attn_impl, datastore,
                                        temperature=size_t, top_p=size_p)
@@ -240,17 +240,19 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int | Sequ
     dsig = (jax.tree.structure(dparams),
             tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(dparams)))
     precision = loop_precision(target.cfg, precision)
+
+    def prefill_key(p_bucket: int) -> tuple:  # one compiled prefill per prompt bucket
+        return ("prefill", drafter, settings, b, p_bucket, n_slots, dsig, precision)
+
     if pads_freely(target, attn_impl):
-        p_pad = _prefill_bucket(target, ("prefill", drafter, settings, b, n_slots, dsig, precision),
-                                p_pad, n_slots)
+        p_pad = _prefill_bucket(target, prefill_key, p_pad, n_slots)
     tokens = np.zeros((b, p_pad), np.int32)
     for i, x in enumerate(ids):
         tokens[i, :len(x)] = x
     cache = target.new_cache(b, n_slots)
     args = (target.params, dparams, jnp.asarray(tokens), jnp.asarray([len(x) for x in ids], jnp.int32),
             cache, row_keys(seed, b), jnp.asarray(temps), jnp.asarray(top_ps), jnp.asarray(row_max))
-    pk = ("prefill", drafter, settings, b, p_pad, n_slots, dsig, precision)
-    run_prefill, c1 = _compiled(target, pk, precision, lambda: compiled_prefill(
+    run_prefill, c1 = _compiled(target, prefill_key(p_pad), precision, lambda: compiled_prefill(
         target.cfg, drafter, settings).lower(*args))
     rest = args[6:]  # temperature, top_p, row_max_new
 
