@@ -43,9 +43,22 @@ def _cpu_id() -> str:
     return platform.machine() + "|" + "|".join(lines)
 
 
-def _command(compiler: str) -> list[str]:
+def _command(compiler: str, src_dir: Path = _DIR) -> list[str]:
     return [compiler, "-O3", "-march=native", "-ffp-contract=fast", "-std=c++17", "-shared",
-            "-fPIC", f"-I{jax.ffi.include_dir()}", f"-I{_DIR}", *map(str, SOURCES)]
+            "-fPIC", f"-I{jax.ffi.include_dir()}", f"-I{src_dir}",
+            *(str(src_dir / s.name) for s in SOURCES)]
+
+
+def _build_key(cmd: list[str], src_dir: Path = _DIR) -> str:
+    """The build's identity: the sources' contents, the compile command and the CPU. Where the
+    checkout and JAX's headers lie is left out (JAX's version is kept), so a clone or a moved
+    checkout reuses the library, and with it the tree sizing measured with that build."""
+    command = " ".join(cmd).replace(str(jax.ffi.include_dir()), f"<jax {jax.__version__}>")
+    key = hashlib.sha256()
+    for part in (*((src_dir / s.name).read_bytes() for s in SOURCES + HEADERS),
+                 command.replace(str(src_dir), "<src>").encode(), _cpu_id().encode()):
+        key.update(part)
+    return key.hexdigest()[:16]
 
 
 def _compile(cmd: list[str], out: Path) -> None:
@@ -74,11 +87,7 @@ def _load() -> str | None:
                       "silence this")
         return None
     cmd = _command(compiler)
-    key = hashlib.sha256()
-    for part in (*(s.read_bytes() for s in SOURCES + HEADERS), " ".join(cmd).encode(),
-                 _cpu_id().encode()):
-        key.update(part)
-    lib = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    lib = _cache_dir() / f"cpu_kernels-{_build_key(cmd)}.so"
     try:
         if not lib.is_file():
             _compile(cmd, lib)

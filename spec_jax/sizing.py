@@ -24,7 +24,8 @@ Sequoia's idea with measured costs, in three measurements:
    step the tokens go to the head's tree or to an n-gram chain by the length of the context's
    n-gram match, with the policy that accepts most on the profile (`switch_trees`), each step
    charged the draft depth of the arm it chooses (`switch_draft_seconds`); the best predicted
-   switch runs end to end too.
+   switch runs end to end too. Each switch also records the tau of the best arm at every step
+   (`tau_ceiling`): how much any policy over those arms could add.
 
 Sampling (temperature > 0). Verification tries a node's children in order and accepts child c with
 the target's probability of its token (see spec_jax.verify): the same outcome as drawing a token
@@ -353,7 +354,10 @@ def switch_trees(profile, trees: list[dict], ngram, match, size: int) -> dict | 
     the best head tree of size - g nodes plus a g-token n-gram chain, for every g the trees allow
     (the root alone with size - 1); for each n-gram match length the arm that accepts most at
     the profile's positions of that length (neighbouring lengths pooled until there are
-    SWITCH_MIN_POSITIONS). Returns {"switch", "policy", "tau", "depth", "top_k"} or None."""
+    SWITCH_MIN_POSITIONS). Returns {"switch", "policy", "tau", "depth", "top_k", "arm_share",
+    "tau_ceiling"} or None; tau_ceiling is the tau if every step took whichever of the candidate
+    arms accepts most there, the most any policy over these arms could reach: near `tau`, a
+    better policy cannot help and only better drafts can."""
     by_size = {t["size"]: t["paths"] for t in trees}
     by_size[1] = []
     arms = [(by_size[size - g], g) for g in range(size) if size - g in by_size
@@ -365,6 +369,7 @@ def switch_trees(profile, trees: list[dict], ngram, match, size: int) -> dict | 
     if len(m_all) == 0:
         return None
     a_all = np.stack([np.concatenate(a) for a in acc])  # [arms, positions]
+    ceiling = _replay([np.max(np.stack([a[k] for a in acc]), axis=0) for k in range(len(match))])
     top = int(m_all.max())
     policy = []
     for m in range(top + 1):
@@ -388,7 +393,7 @@ def switch_trees(profile, trees: list[dict], ngram, match, size: int) -> dict | 
     return {"switch": [{"base": a, "ngram": g} for a, g in arms], "policy": policy,
             "tau": _replay(chosen), "depth": max((len(p) for p in paths), default=0),
             "top_k": 1 + max((max(p) for p in paths), default=0),
-            "arm_share": [float(x) for x in share]}
+            "arm_share": [float(x) for x in share], "tau_ceiling": ceiling}
 
 
 def switch_draft_seconds(sw: dict, draft: dict, batch: int = 1) -> float:
@@ -620,7 +625,7 @@ def size_tree(target, heads, prompts=None, batch: int = 1,
                           "paths": sorted({tuple(p) for a in arms for p in a["base"]},
                                           key=lambda p: (len(p), p)),
                           "switch": {"switch": arms, "policy": sw["policy"]},
-                          "arm_share": sw["arm_share"]})
+                          "arm_share": sw["arm_share"], "tau_ceiling": sw["tau_ceiling"]})
     fastest = lambda cs: max(cs, key=lambda c: c["predicted_tokens_per_second"])  # noqa: E731
     best = fastest(curve) if curve else None
     if best is not None:

@@ -291,6 +291,33 @@ def test_switch_policy_and_tau_on_a_hand_counted_profile(monkeypatch):
     assert sizing.switch_draft_seconds(sw, {1: 0.001, 2: 0.003}, batch=2) == pytest.approx(0.0025)
 
 
+def test_switch_ceiling_takes_the_best_arm_at_every_step(monkeypatch):
+    """At one match length the head wins at some positions and the n-gram chain at others: the
+    policy must pick one arm for all of them, the ceiling takes the better one at each step."""
+    from spec_jax import sizing
+
+    monkeypatch.setattr(sizing, "SWITCH_MIN_POSITIONS", 1)
+    ranks = [np.array([[0, 0], [-1, -1], [-1, -1], [-1, -1], [0, 0], [0, 0]])]
+    ngram = [np.array([0, 2, 2, 2, 0, 0])]
+    match = [np.array([5, 5, 5, 5, 0, 0])]
+    trees = [{"size": 2, "paths": [[0]]}, {"size": 3, "paths": [[0], [0, 0]]}]
+    sw = sizing.switch_trees(ranks, trees, ngram, match, 3)
+    assert sw["policy"][0] == 0 and sw["policy"][5] == 1  # match 5: the chain (6 tokens to 2)
+    # policy: root 0 takes the chain (0 accepted), root 1 the chain (2), root 4 the head (2)
+    assert sw["tau"] == pytest.approx(7 / 3)
+    # best arm per step: root 0 the head (2), root 3 the chain (2)
+    assert sw["tau_ceiling"] == pytest.approx(6 / 2)
+    report = {"verify_seconds": {"1": 0.01}, "plain_predicted_tokens_per_second": 100.0,
+              "curve": [{"size": 3, "ngram": 2, "ds": 0, "depth": 2, "tau": sw["tau"],
+                         "step_seconds": 0.012, "predicted_tokens_per_second": 194.4,
+                         "switch": {"switch": sw["switch"], "policy": sw["policy"]},
+                         "tau_ceiling": sw["tau_ceiling"]}],
+              "measured": [], "tree": "plain", "profile_positions": 6, "seconds": 1.0}
+    from spec_jax.bench import _curve_table
+
+    assert "τ 2.33 by its policy, 3.00 if every step took the arm" in _curve_table(report)
+
+
 def test_best_trees_within_a_depth_cap():
     """A switch's head arm may be kept shallow (fewer draft steps): the best trees of each size
     with no path deeper than the cap, ranked as the uncapped ones are."""

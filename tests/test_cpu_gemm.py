@@ -20,6 +20,24 @@ def test_kernel_builds_here():
     assert cpu_gemm.available(), "g++ is installed, so the kernel must build and register"
 
 
+def test_the_build_is_keyed_by_what_it_compiles_not_where_it_lies(tmp_path):
+    """Two checkouts of the same sources share one library (and the sizing measured with it);
+    a changed source is a new build."""
+    from pallas_kernels import cpu_build
+
+    keys = []
+    for name in ("a", "b"):
+        d = tmp_path / name
+        d.mkdir()
+        for f in cpu_build.SOURCES + cpu_build.HEADERS:
+            shutil.copy(f, d / f.name)
+        keys.append(cpu_build._build_key(cpu_build._command("g++", d), d))
+    assert keys[0] == keys[1] == cpu_build._build_key(cpu_build._command("g++"))
+    gemm = tmp_path / "b" / cpu_build.SOURCES[0].name
+    gemm.write_text(gemm.read_text() + "\n// an edit\n")
+    assert cpu_build._build_key(cpu_build._command("g++", tmp_path / "b"), tmp_path / "b") != keys[0]
+
+
 @pytest.mark.parametrize("k,n", [(64, 32), (576, 192), (200, 96)])
 def test_packed_matmul_is_exact_and_row_independent(k, n):
     rng = np.random.default_rng(k + n)
