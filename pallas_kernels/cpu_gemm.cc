@@ -43,26 +43,39 @@ constexpr int kNV = kPanel / kVec;  // vectors per panel row
 typedef float vec __attribute__((vector_size(kVec * sizeof(float))));
 typedef float vec_u __attribute__((vector_size(kVec * sizeof(float)), aligned(4), may_alias));
 
+// Weights are float32, or bfloat16 (uint16 bits) for draft heads: half the bytes to stream, and
+// each converts exactly to float32 in registers (zero-extend, shift left 16), so the arithmetic
+// is the float32 kernel's on the rounded weights.
+typedef uint16_t hvec_u __attribute__((vector_size(kVec * sizeof(uint16_t)), aligned(2), may_alias));
+typedef uint32_t uvec __attribute__((vector_size(kVec * sizeof(uint32_t))));
+
+inline vec load_w(const float* w) { return *reinterpret_cast<const vec_u*>(w); }
+inline vec load_w(const uint16_t* w) {
+  uvec u = __builtin_convertvector(*reinterpret_cast<const hvec_u*>(w), uvec) << 16;
+  return reinterpret_cast<vec&>(u);
+}
+
 // y[t, panel's columns] for TB rows: one fused multiply-add chain over k = 0..K-1 per element,
 // the same in every tile shape, so a row's result does not depend on R.
-template <int TB>
-inline void tile(const float* __restrict x, int64_t K, const float* __restrict panel,
+template <int TB, typename W>
+inline void tile(const float* __restrict x, int64_t K, const W* __restrict panel,
                  float* __restrict y, int64_t N) {
   constexpr int NV = kNV;
+  constexpr int kLine = 64 / sizeof(W);  // weights per cache line
   vec acc[TB][NV];
 #pragma GCC unroll 16
   for (int t = 0; t < TB; ++t)
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) acc[t][v] = vec{};
-  const float* w = panel;
+  const W* w = panel;
   for (int64_t k = 0; k < K; ++k, w += kPanel) {
     if constexpr (kPrefetch > 0) {
 #pragma GCC unroll 4
-      for (int c = 0; c < kPanel; c += 16) __builtin_prefetch(w + kPrefetch * kPanel + c);
+      for (int c = 0; c < kPanel; c += kLine) __builtin_prefetch(w + kPrefetch * kPanel + c);
     }
     vec wv[NV];
 #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) wv[v] = *reinterpret_cast<const vec_u*>(w + v * kVec);
+    for (int v = 0; v < NV; ++v) wv[v] = load_w(w + v * kVec);
 #pragma GCC unroll 16
     for (int t = 0; t < TB; ++t) {
       const float xs = x[t * K + k];
@@ -77,11 +90,11 @@ inline void tile(const float* __restrict x, int64_t K, const float* __restrict p
 }
 
 // n (< kTop) rows against a whole panel, in one tile of n rows.
-template <int TB = kTop - 1>
-inline void rest(int n, const float* x, int64_t K, const float* panel, float* y, int64_t N) {
+template <typename W, int TB = kTop - 1>
+inline void rest(int n, const float* x, int64_t K, const W* panel, float* y, int64_t N) {
   if constexpr (TB > 0) {
     if (n == TB) return tile<TB>(x, K, panel, y, N);
-    rest<TB - 1>(n, x, K, panel, y, N);
+    rest<W, TB - 1>(n, x, K, panel, y, N);
   }
 }
 
@@ -89,13 +102,14 @@ inline void rest(int n, const float* x, int64_t K, const float* panel, float* y,
 // decoding and verification), so that a prefill's rows stay in cache while the chunk's panels
 // stream past them.
 constexpr int64_t kRowBytes = 256 << 10;
-void panels(const float* x, int64_t R, int64_t K, const float* w, int64_t N, float* y,
+template <typename W>
+void panels(const float* x, int64_t R, int64_t K, const W* w, int64_t N, float* y,
             int64_t p0, int64_t p1) {
   const int64_t block = std::max<int64_t>(kTop, kRowBytes / (K * 4) / kTop * kTop);
   for (int64_t r0 = 0; r0 < R; r0 += block) {
     const int64_t r1 = std::min(R, r0 + block);
     for (int64_t p = p0; p < p1; ++p) {
-      const float* panel = w + p * K * kPanel;
+      const W* panel = w + p * K * kPanel;
       float* yp = y + p * kPanel;
       int64_t r = r0;
       for (; r + kTop <= r1; r += kTop) tile<kTop>(x + r * K, K, panel, yp + r * N, N);
@@ -104,9 +118,10 @@ void panels(const float* x, int64_t R, int64_t K, const float* w, int64_t N, flo
   }
 }
 
+template <typename W>
 struct Job {
   const float* x;
-  const float* w;
+  const W* w;
   float* y;
   int64_t R, K, N, num_panels, chunk;
   spec_jax::Claims claims;  // one item per chunk of panels
@@ -119,8 +134,10 @@ struct Job {
   }
 };
 
+template <ffi::DataType WT>
 ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                      ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+                      ffi::Buffer<WT> w, ffi::ResultBuffer<ffi::F32> y) {
+  using W = ffi::NativeType<WT>;
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel ||
       wd[1] != xd[1] || yd[0] != xd[0] || yd[1] != wd[0] * kPanel) {
@@ -128,7 +145,7 @@ ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
         "spec_jax packed gemm: expected x [R, K], w [N/P, K, P], y [R, N] with P = "
         "spec_jax_gemm_panel()");
   }
-  auto job = std::make_shared<Job>();
+  auto job = std::make_shared<Job<W>>();
   job->x = x.typed_data();
   job->w = w.typed_data();
   job->y = y->typed_data();
@@ -148,9 +165,15 @@ ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // The panel width P that `PackedGemm` expects (weights packed as [N / P, K, P]).
 extern "C" int spec_jax_gemm_panel() { return kPanel; }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemm, PackedGemm,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemm, PackedGemm<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmBf16, PackedGemm<ffi::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

@@ -31,13 +31,15 @@ import numpy as np
 from pallas_kernels import cpu_build
 
 DEFAULT_PANEL = 32  # where the kernels are not built (the layout is then only unpacked again)
-TARGET = "spec_jax_packed_gemm"
+TARGETS = {jnp.dtype(jnp.float32): "spec_jax_packed_gemm",
+           jnp.dtype(jnp.bfloat16): "spec_jax_packed_gemm_bf16"}
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["panels"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """A [K, N] float32 matrix stored as N/P contiguous column panels: panels [N/P, K, P]."""
+    """A [K, N] matrix stored as N/P contiguous column panels: panels [N/P, K, P], float32, or
+    bfloat16 for draft heads (half the bytes to read; products still accumulate in float32)."""
     panels: jax.Array
 
     @property
@@ -50,11 +52,13 @@ class PackedWeight:
         return self.panels.dtype
 
 
-def pack(w) -> PackedWeight:
-    """[K, N] -> PackedWeight in this build's panel width; N must be a multiple of it (`packable`)."""
+def pack(w, dtype=None) -> PackedWeight:
+    """[K, N] -> PackedWeight in this build's panel width, stored as `dtype` (float32 or bfloat16;
+    None keeps w's); N must be a multiple of the width (`packable`)."""
     k, n = w.shape
     p = panel_width()
-    return PackedWeight(jnp.asarray(w).reshape(k, n // p, p).transpose(1, 0, 2))
+    w = jnp.asarray(w)
+    return PackedWeight(w.astype(dtype or w.dtype).reshape(k, n // p, p).transpose(1, 0, 2))
 
 
 def unpack(w: PackedWeight) -> jax.Array:
@@ -73,10 +77,11 @@ def packable(w) -> bool:
             and jnp.dtype(w.dtype) == jnp.float32)
 
 
-def pack_matrices(params: dict, keys) -> dict:
-    """`params` (nested dicts) with its packable matrices under `keys` packed; the rest as is."""
-    return {k: pack_matrices(v, keys) if isinstance(v, dict) else
-            pack(v) if k in keys and packable(v) else v for k, v in params.items()}
+def pack_matrices(params: dict, keys, dtype=None) -> dict:
+    """`params` (nested dicts) with its packable matrices under `keys` packed (as `dtype`, None
+    keeping float32); the rest as is."""
+    return {k: pack_matrices(v, keys, dtype) if isinstance(v, dict) else
+            pack(v, dtype) if k in keys and packable(v) else v for k, v in params.items()}
 
 
 def matmul(x, w):
@@ -98,10 +103,10 @@ def _packed_matmul(x, panels):
     k, n = panels.shape[1], panels.shape[0] * panels.shape[2]
     lead = x.shape[:-1]
     rows = int(np.prod(lead, dtype=np.int64))
-    if (rows == 0 or x.dtype != jnp.float32 or panels.dtype != jnp.float32
+    if (rows == 0 or x.dtype != jnp.float32 or panels.dtype not in TARGETS
             or not available() or panels.shape[2] != panel_width()):
         return x @ unpack(PackedWeight(panels)).astype(x.dtype)
-    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows, n), jnp.float32),
+    y = jax.ffi.ffi_call(TARGETS[panels.dtype], jax.ShapeDtypeStruct((rows, n), jnp.float32),
                          vmap_method="sequential")(
         x.reshape(rows, k), panels)
     return y.reshape(*lead, n)
@@ -111,8 +116,8 @@ def _packed_matmul(x, panels):
 def _packed_matmul_jvp(primals, tangents):
     x, panels = primals
     dx, dp = tangents
-    w = unpack(PackedWeight(panels))
-    return _packed_matmul(x, panels), dx @ w + x @ unpack(PackedWeight(dp))
+    w = unpack(PackedWeight(panels)).astype(x.dtype)
+    return _packed_matmul(x, panels), dx @ w + x @ unpack(PackedWeight(dp)).astype(x.dtype)
 
 
 @functools.cache

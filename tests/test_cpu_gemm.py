@@ -57,6 +57,24 @@ def test_packed_matmul_is_exact_and_row_independent(k, n):
         np.testing.assert_array_equal(y, one_by_one)  # bit-identical whatever the row count
 
 
+def test_bfloat16_panels_give_the_float32_product_of_the_rounded_weights():
+    """Draft heads stream bfloat16 panels: each weight converts exactly in registers, so the
+    product is the float32 kernel's over the rounded weights, to the bit, for every tile."""
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((576, 96), dtype=np.float32)
+    half = cpu_gemm.pack(w, jnp.bfloat16)
+    assert half.dtype == jnp.bfloat16 and half.shape == (576, 96)
+    rounded = cpu_gemm.pack(np.asarray(jnp.asarray(w).astype(jnp.bfloat16).astype(jnp.float32)))
+    mm = jax.jit(cpu_gemm.matmul)
+    for rows in (1, 3, 4, 8, 9, 13):
+        x = rng.standard_normal((rows, 576), dtype=np.float32)
+        y = np.asarray(mm(x, half))
+        assert y.dtype == np.float32
+        np.testing.assert_array_equal(y, np.asarray(mm(x, rounded)))
+    np.testing.assert_array_equal(np.asarray(cpu_gemm.unpack(half)).astype(np.float32),
+                                  np.asarray(cpu_gemm.unpack(rounded)))
+
+
 def test_leading_axes_and_gradients():
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((48, 64), dtype=np.float32))
@@ -93,6 +111,10 @@ def test_packed_target_matches_unrolled_and_stays_lossless():
     heads = spec_jax.init_draft(target, "eagle", seed=0)
     bound = heads.bind(target)
     assert isinstance(bound["layer"]["wq"], cpu_gemm.PackedWeight)
+    packed_leaves = [x for x in jax.tree.leaves(bound, is_leaf=lambda x: isinstance(
+        x, cpu_gemm.PackedWeight)) if isinstance(x, cpu_gemm.PackedWeight)]
+    assert packed_leaves and all(x.dtype == jnp.bfloat16 for x in packed_leaves)  # draft only
+    assert target.params["layers"][0]["wq"].dtype == jnp.float32
     assert heads.bind(target) is bound  # made once per target
     for draft, tree in (("ngram", None), (heads, "dynamic:4,3,8")):
         r = spec_jax.generate(target, prompt, 40, draft=draft, tree=tree, stop_at_eos=False)
