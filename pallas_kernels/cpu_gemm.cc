@@ -51,8 +51,7 @@ typedef uint32_t uvec __attribute__((vector_size(kVec * sizeof(uint32_t))));
 
 inline vec load_w(const float* w) { return *reinterpret_cast<const vec_u*>(w); }
 inline vec load_w(const uint16_t* w) {
-  uvec u = __builtin_convertvector(*reinterpret_cast<const hvec_u*>(w), uvec) << 16;
-  return reinterpret_cast<vec&>(u);
+  return (vec)(__builtin_convertvector(*reinterpret_cast<const hvec_u*>(w), uvec) << 16);
 }
 
 // y[t, panel's columns] for TB rows: one fused multiply-add chain over k = 0..K-1 per element,

@@ -321,12 +321,11 @@ def _curve_table(report) -> str:
         lines.append(f"| {c['size']} | {c['ngram']} | {c.get('ds', 0)} | {c['depth']} | "
                      f"{c['tau']:.2f} | {1e3 * c['step_seconds']:.1f} | "
                      f"{c['predicted_tokens_per_second']:.1f} |")
-    best_switch = {}  # per size, the switch predicted fastest
-    for c in report["curve"]:
-        if "tau_ceiling" in c and (c["size"] not in best_switch or c["predicted_tokens_per_second"]
-                                   > best_switch[c["size"]]["predicted_tokens_per_second"]):
-            best_switch[c["size"]] = c  # (caches written before the ceiling was recorded lack it)
-    for _, c in sorted(best_switch.items()):
+    # per size, the switch predicted fastest (caches written before the ceiling was recorded lack it)
+    switches = [c for c in report["curve"] if "tau_ceiling" in c]
+    for size in sorted({c["size"] for c in switches}):
+        c = max((c for c in switches if c["size"] == size),
+                key=lambda c: c["predicted_tokens_per_second"])
         lines.append(f"\n{tree_name(c['switch'])}: τ {c['tau']:.2f} by its policy, "
                      f"{c['tau_ceiling']:.2f} if every step took the arm of that size that "
                      f"accepts most there (no policy over these arms does better)")
