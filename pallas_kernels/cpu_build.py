@@ -25,6 +25,7 @@ HEADERS = (_DIR / "cpu_pool.h",)
 # FFI target name -> the handler symbol exported by the library
 TARGETS = {"spec_jax_packed_gemm": "SpecJaxPackedGemm",
            "spec_jax_packed_gemm_bf16": "SpecJaxPackedGemmBf16",
+           "spec_jax_packed_gemm_affine": "SpecJaxPackedGemmAffine",
            "spec_jax_tree_attention": "SpecJaxTreeAttention",
            "spec_jax_argmax": "SpecJaxArgmax"}
 

@@ -13,6 +13,9 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
+
+#include <immintrin.h>
 
 #include "cpu_pool.h"
 #include "xla/ffi/api/ffi.h"
@@ -54,11 +57,27 @@ inline vec load_w(const uint16_t* w) {
   return (vec)(__builtin_convertvector(*reinterpret_cast<const hvec_u*>(w), uvec) << 16);
 }
 
+// Or uint8 codes q with a float32 scale d and offset m per column and block of kBlock rows of K:
+// w = d * q + m. That is how GGUF's Q4_1 and Q8_0 blocks dequantize (a 16-bit d times an 8-bit q
+// is exact in float32, so the one rounding is the add's, and a fused multiply-add gives the same
+// bits), so a target converted from such a file streams 1.25 bytes per weight instead of 4 and
+// multiplies by exactly the float32 weights it was converted to (`cpu_gemm.pack_exact`).
+constexpr int64_t kBlock = 32;
+inline vec load_q(const uint8_t* w) {  // zero-extend, convert: one instruction each
+#if defined(__AVX512F__)
+  return (vec)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)w)));
+#else
+  return (vec)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)w)));
+#endif
+}
+
 // y[t, panel's columns] for TB rows: one fused multiply-add chain over k = 0..K-1 per element,
-// the same in every tile shape, so a row's result does not depend on R.
+// the same in every tile shape, so a row's result does not depend on R. `scales` ([K / kBlock, 2,
+// kPanel]: d, then m) is read for uint8 panels only.
 template <int TB, typename W>
 inline void tile(const float* __restrict x, int64_t K, const W* __restrict panel,
-                 float* __restrict y, int64_t N) {
+                 const float* __restrict scales, float* __restrict y, int64_t N) {
+  constexpr bool kAffine = std::is_same_v<W, uint8_t>;
   constexpr int NV = kNV;
   constexpr int kLine = 64 / sizeof(W);  // weights per cache line
   vec acc[TB][NV];
@@ -67,19 +86,37 @@ inline void tile(const float* __restrict x, int64_t K, const W* __restrict panel
 #pragma GCC unroll 16
     for (int v = 0; v < NV; ++v) acc[t][v] = vec{};
   const W* w = panel;
-  for (int64_t k = 0; k < K; ++k, w += kPanel) {
-    if constexpr (kPrefetch > 0) {
-#pragma GCC unroll 4
-      for (int c = 0; c < kPanel; c += kLine) __builtin_prefetch(w + kPrefetch * kPanel + c);
+  const int64_t span = kAffine ? kBlock : K;  // rows of K sharing one d and m
+  for (int64_t k0 = 0; k0 < K; k0 += span) {
+    vec dv[NV], mv[NV];
+    if constexpr (kAffine) {
+      const float* s = scales + (k0 / kBlock) * 2 * kPanel;
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) {
+        dv[v] = load_w(s + v * kVec);
+        mv[v] = load_w(s + kPanel + v * kVec);
+      }
     }
-    vec wv[NV];
+    for (int64_t k = k0; k < k0 + span; ++k, w += kPanel) {
+      if constexpr (kPrefetch > 0) {
+#pragma GCC unroll 4
+        for (int c = 0; c < kPanel; c += kLine) __builtin_prefetch(w + kPrefetch * kPanel + c);
+      }
+      vec wv[NV];
 #pragma GCC unroll 16
-    for (int v = 0; v < NV; ++v) wv[v] = load_w(w + v * kVec);
+      for (int v = 0; v < NV; ++v) {
+        if constexpr (kAffine) {
+          wv[v] = dv[v] * load_q(w + v * kVec) + mv[v];
+        } else {
+          wv[v] = load_w(w + v * kVec);
+        }
+      }
 #pragma GCC unroll 16
-    for (int t = 0; t < TB; ++t) {
-      const float xs = x[t * K + k];
+      for (int t = 0; t < TB; ++t) {
+        const float xs = x[t * K + k];
 #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) acc[t][v] += xs * wv[v];
+        for (int v = 0; v < NV; ++v) acc[t][v] += xs * wv[v];
+      }
     }
   }
 #pragma GCC unroll 16
@@ -90,10 +127,11 @@ inline void tile(const float* __restrict x, int64_t K, const W* __restrict panel
 
 // n (< kTop) rows against a whole panel, in one tile of n rows.
 template <typename W, int TB = kTop - 1>
-inline void rest(int n, const float* x, int64_t K, const W* panel, float* y, int64_t N) {
+inline void rest(int n, const float* x, int64_t K, const W* panel, const float* scales, float* y,
+                 int64_t N) {
   if constexpr (TB > 0) {
-    if (n == TB) return tile<TB>(x, K, panel, y, N);
-    rest<W, TB - 1>(n, x, K, panel, y, N);
+    if (n == TB) return tile<TB>(x, K, panel, scales, y, N);
+    rest<W, TB - 1>(n, x, K, panel, scales, y, N);
   }
 }
 
@@ -102,17 +140,18 @@ inline void rest(int n, const float* x, int64_t K, const W* panel, float* y, int
 // stream past them.
 constexpr int64_t kRowBytes = 256 << 10;
 template <typename W>
-void panels(const float* x, int64_t R, int64_t K, const W* w, int64_t N, float* y,
-            int64_t p0, int64_t p1) {
+void panels(const float* x, int64_t R, int64_t K, const W* w, const float* scales, int64_t N,
+            float* y, int64_t p0, int64_t p1) {
   const int64_t block = std::max<int64_t>(kTop, kRowBytes / (K * 4) / kTop * kTop);
   for (int64_t r0 = 0; r0 < R; r0 += block) {
     const int64_t r1 = std::min(R, r0 + block);
     for (int64_t p = p0; p < p1; ++p) {
       const W* panel = w + p * K * kPanel;
+      const float* ps = scales ? scales + p * (K / kBlock) * 2 * kPanel : nullptr;
       float* yp = y + p * kPanel;
       int64_t r = r0;
-      for (; r + kTop <= r1; r += kTop) tile<kTop>(x + r * K, K, panel, yp + r * N, N);
-      if (r < r1) rest(static_cast<int>(r1 - r), x + r * K, K, panel, yp + r * N, N);
+      for (; r + kTop <= r1; r += kTop) tile<kTop>(x + r * K, K, panel, ps, yp + r * N, N);
+      if (r < r1) rest(static_cast<int>(r1 - r), x + r * K, K, panel, ps, yp + r * N, N);
     }
   }
 }
@@ -121,6 +160,7 @@ template <typename W>
 struct Job {
   const float* x;
   const W* w;
+  const float* scales;  // uint8 panels only
   float* y;
   int64_t R, K, N, num_panels, chunk;
   spec_jax::Claims claims;  // one item per chunk of panels
@@ -128,16 +168,15 @@ struct Job {
   void drain() {
     claims.drain([this](int64_t c) {
       const int64_t p0 = c * chunk, p1 = std::min(num_panels, p0 + chunk);
-      panels(x, R, K, w, N, y, p0, p1);
+      panels(x, R, K, w, scales, N, y, p0, p1);
     });
   }
 };
 
-template <ffi::DataType WT>
-ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                      ffi::Buffer<WT> w, ffi::ResultBuffer<ffi::F32> y) {
-  using W = ffi::NativeType<WT>;
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+template <typename W>
+ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const int64_t> wd,
+               const W* w, const float* scales, ffi::ResultBuffer<ffi::F32>& y) {
+  auto xd = x.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel ||
       wd[1] != xd[1] || yd[0] != xd[0] || yd[1] != wd[0] * kPanel) {
     return ffi::Error::InvalidArgument(
@@ -146,7 +185,8 @@ ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   }
   auto job = std::make_shared<Job<W>>();
   job->x = x.typed_data();
-  job->w = w.typed_data();
+  job->w = w;
+  job->scales = scales;
   job->y = y->typed_data();
   job->R = xd[0];
   job->K = xd[1];
@@ -157,6 +197,25 @@ ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   job->claims.total = (job->num_panels + job->chunk - 1) / job->chunk;
   spec_jax::run_shared(pool, job);
   return ffi::Error::Success();
+}
+
+template <ffi::DataType WT>
+ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
+                      ffi::ResultBuffer<ffi::F32> y) {
+  return Run(pool, x, w.dimensions(), w.typed_data(), nullptr, y);
+}
+
+// uint8 panels [N/P, K, P] with scales [N/P, K/kBlock, 2, P] (d, then m).
+ffi::Error PackedGemmAffine(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> s,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  auto wd = w.dimensions(), sd = s.dimensions();
+  if (wd.size() != 3 || wd[1] % kBlock != 0 || sd.size() != 4 || sd[0] != wd[0] ||
+      sd[1] != wd[1] / kBlock || sd[2] != 2 || sd[3] != wd[2]) {
+    return ffi::Error::InvalidArgument(
+        "spec_jax affine packed gemm: expected w [N/P, K, P] uint8 and scales [N/P, K/32, 2, P]");
+  }
+  return Run(pool, x, wd, w.typed_data(), s.typed_data(), y);
 }
 
 }  // namespace
@@ -175,4 +234,11 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmBf16, PackedGemm<ffi::BF16>,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmAffine, PackedGemmAffine,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

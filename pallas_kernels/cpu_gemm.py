@@ -36,15 +36,21 @@ from pallas_kernels import cpu_build
 
 DEFAULT_PANEL = 32  # where the kernels are not built (the layout is then only unpacked again)
 TARGETS = {jnp.dtype(jnp.float32): "spec_jax_packed_gemm",
-           jnp.dtype(jnp.bfloat16): "spec_jax_packed_gemm_bf16"}
+           jnp.dtype(jnp.bfloat16): "spec_jax_packed_gemm_bf16",
+           jnp.dtype(jnp.uint8): "spec_jax_packed_gemm_affine"}
+BLOCK = 32  # rows of K that share one scale and offset in uint8 panels (GGUF's block size)
 
 
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["panels"], meta_fields=[])
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["panels", "scales"],
+                   meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
     """A [K, N] matrix stored as N/P contiguous column panels: panels [N/P, K, P], float32, or
-    bfloat16 for draft heads (half the bytes to read; products still accumulate in float32)."""
+    bfloat16 for draft heads (half the bytes to read; products still accumulate in float32), or
+    uint8 codes q with `scales` [N/P, K/32, 2, P] (d, m): weight = d * q + m, exactly the float32
+    matrix it was packed from (`pack_exact`)."""
     panels: jax.Array
+    scales: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -67,7 +73,65 @@ def pack(w, dtype=None) -> PackedWeight:
 
 def unpack(w: PackedWeight) -> jax.Array:
     p, k, c = w.panels.shape
-    return w.panels.transpose(1, 0, 2).reshape(k, p * c)
+    panels = w.panels
+    if w.scales is not None:  # d * q + m: d * q is exact, so this is the kernel's weight to the bit
+        s = jnp.repeat(w.scales, BLOCK, axis=1)  # [N/P, K, 2, P]
+        panels = s[:, :, 0] * panels.astype(jnp.float32) + s[:, :, 1]
+    return panels.transpose(1, 0, 2).reshape(k, p * c)
+
+
+def affine_codes(w):
+    """w [K, N] float32 as uint8 codes q [K, N] and per-(32-row block, column) d, m [K/32, N]
+    float32 with w == d * q + m bit for bit, or None where some block has no such form.
+
+    Finds the two forms GGUF's blocks dequantize to: Q4_1 (m = the block's minimum, d a float16
+    near (max - min) / 15, q in 0..15) and Q8_0 (d a float16 of max |w| / 127, q + 128 with
+    m = -128 d). d is a float16 in both, so d * q (q < 256) is exact in float32 and the only
+    rounding is the add's, which a fused multiply-add repeats."""
+    if (getattr(w, "ndim", 0) != 2 or jnp.dtype(w.dtype) != jnp.float32
+            or w.shape[0] % BLOCK):
+        return None
+    q, d, m, ok = _affine_codes(jnp.asarray(w))
+    return (q, d, m) if bool(ok) else None
+
+
+@jax.jit
+def _affine_codes(w):
+    k, n = w.shape
+    b = w.reshape(k // BLOCK, BLOCK, n)
+    lo, hi = b.min(axis=1), b.max(axis=1)
+    f16 = lambda a: a.astype(jnp.float16).astype(jnp.float32)
+    d1 = f16((hi - lo) / 15)
+    d2 = f16(jnp.maximum(-lo, hi) / 127)
+    best = None
+    for dc, mc in ((d1, lo), (d2, -128 * d2)):
+        safe = jnp.where(dc > 0, dc, 1)[:, None]
+        qc = jnp.clip(jnp.where(dc[:, None] > 0, jnp.rint((b - mc[:, None]) / safe), 0), 0, 255)
+        ok = jnp.all((dc[:, None] * qc + mc[:, None] == b) & jnp.isfinite(dc)[:, None], axis=1)
+        cur = (qc.astype(jnp.uint8), dc, mc, ok)
+        if best is None:
+            best = cur
+        else:  # keep the first form that fits each block
+            q0, d0, m0, ok0 = best
+            best = (jnp.where(ok0[:, None], q0, cur[0]), jnp.where(ok0, d0, dc),
+                    jnp.where(ok0, m0, mc), ok0 | ok)
+    q, d, m, ok = best
+    return q.reshape(k, n), d, m, jnp.all(ok)
+
+
+def pack_exact(w) -> PackedWeight:
+    """[K, N] float32 -> uint8 panels with scales where `affine_codes` finds the matrix's exact
+    form (a GGUF-quantized checkpoint's matrices: 1.25 bytes a weight to stream instead of 4, the
+    same products to the bit), else float32 panels (`pack`)."""
+    codes = affine_codes(w) if packable(w) else None
+    if codes is None:
+        return pack(w)
+    q, d, m = codes
+    k, n = q.shape
+    p = panel_width()
+    panels = q.reshape(k, n // p, p).transpose(1, 0, 2)
+    scales = jnp.stack([d, m], axis=1).reshape(k // BLOCK, 2, n // p, p).transpose(2, 0, 1, 3)
+    return PackedWeight(panels, scales)
 
 
 def unpack_all(tree):
@@ -83,22 +147,25 @@ def packable(w) -> bool:
 
 def pack_matrices(params: dict, keys, dtype=None) -> dict:
     """`params` (nested dicts) with its packable matrices under `keys` packed (as `dtype`, None
-    keeping float32); the rest as is."""
+    keeping float32, "exact" as `pack_exact`); the rest as is."""
+    one = pack_exact if dtype == "exact" else functools.partial(pack, dtype=dtype)
     return {k: pack_matrices(v, keys, dtype) if isinstance(v, dict) else
-            pack(v, dtype) if k in keys and packable(v) else v for k, v in params.items()}
+            one(v) if k in keys and packable(v) else v for k, v in params.items()}
 
 
 def matmul(x, w):
     """x [..., K] @ w [K, N] -> [..., N]; w a plain matrix or a PackedWeight."""
     if not isinstance(w, PackedWeight):
         return x @ w
+    if w.scales is not None:
+        return _affine_matmul(x, w.panels, w.scales)
     return _packed_matmul(x, w.panels)
 
 
 def dot_f32(x, w):
     """x [..., K] @ w [K, N] with float32 results (logits); w a plain matrix or a PackedWeight."""
     if isinstance(w, PackedWeight):
-        return _packed_matmul(x.astype(jnp.float32), w.panels)
+        return matmul(x.astype(jnp.float32), w)
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
@@ -122,6 +189,28 @@ def _packed_matmul_jvp(primals, tangents):
     dx, dp = tangents
     w = unpack(PackedWeight(panels)).astype(x.dtype)
     return _packed_matmul(x, panels), dx @ w + x @ unpack(PackedWeight(dp)).astype(x.dtype)
+
+
+@jax.custom_jvp
+def _affine_matmul(x, panels, scales):
+    k, n = panels.shape[1], panels.shape[0] * panels.shape[2]
+    lead = x.shape[:-1]
+    rows = int(np.prod(lead, dtype=np.int64))
+    if (rows == 0 or x.dtype != jnp.float32 or not available()
+            or panels.shape[2] != panel_width()):
+        return x @ unpack(PackedWeight(panels, scales)).astype(x.dtype)
+    y = jax.ffi.ffi_call(TARGETS[panels.dtype], jax.ShapeDtypeStruct((rows, n), jnp.float32),
+                         vmap_method="sequential")(x.reshape(rows, k), panels, scales)
+    return y.reshape(*lead, n)
+
+
+@_affine_matmul.defjvp
+def _affine_matmul_jvp(primals, tangents):
+    """Through x only: uint8 codes and their scales are a frozen target's, never trained."""
+    x, panels, scales = primals
+    dx = tangents[0]
+    return (_affine_matmul(x, panels, scales),
+            dx @ unpack(PackedWeight(panels, scales)).astype(x.dtype))
 
 
 @functools.cache

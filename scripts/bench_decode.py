@@ -86,7 +86,7 @@ def main():
     bound, bound1 = read_bw * 1e9 / param_bytes, read_bw1 * 1e9 / param_bytes
     best_ours, best_theirs = max(ours), max(theirs)
     print(f"machine: {jax.device_count()} {jax.default_backend()} device(s), jax {jax.__version__}")
-    print(f"weights read per token: {param_bytes / 1e6:.1f} MB float32 (layout: {target.layout})")
+    print(f"weights read per token: {param_bytes / 1e6:.1f} MB (layout: {target.layout}{", uint8 codes" if target.weight_codes else ""})")
     print(f"spec_jax plain greedy:      {best_ours:6.1f} tok/s   (runs: {', '.join(f'{x:.1f}' for x in ours)})")
     print(f"transformers greedy:        {best_theirs:6.1f} tok/s   (runs: {', '.join(f'{x:.1f}' for x in theirs)})")
     print(f"ratio spec_jax/transformers: {best_ours / best_theirs:5.2f}x")

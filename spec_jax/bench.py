@@ -243,7 +243,7 @@ def bench_cli(a):
 
     if a.temperature < 0 or not 0 < a.top_p <= 1:
         raise SpecJaxError("--temperature must be >= 0 and --top-p in (0, 1]")
-    target = spec_jax.load_target(a.model)
+    target = spec_jax.load_target(a.model, layers=getattr(a, "layers", "auto"))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     sets = {}

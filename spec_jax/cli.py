@@ -242,6 +242,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="measure plain vs speculative decoding on prompt sets")
     b.add_argument("--model", default=str(DEFAULT_MODEL))
+    b.add_argument("--layers", default="auto",
+                   choices=["auto", "scan", "unrolled", "packed", "packed_f32"],
+                   help="the target's layout (load_target's layers=): packed_f32 streams float32 "
+                        "weights even where exact uint8 codes would do")
     b.add_argument("--drafts", nargs="*", default=["ngram"])
     b.add_argument("--prompts", nargs="+", default=["../shared/data/eval/mt_bench/question.jsonl"])
     b.add_argument("--limit", type=int, default=10,

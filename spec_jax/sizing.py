@@ -104,7 +104,8 @@ def _target_parts(target, batch: int) -> tuple[str, str, str, str, str]:
 
     build = build_id()
     return (jax.devices()[0].device_kind, target.fingerprint(),
-            target.layout + (f"@{build}" if build else ""), f"attn-{default_impl()}", str(batch))
+            target.layout + ("-u8" if target.weight_codes else "") + (f"@{build}" if build else ""),
+            f"attn-{default_impl()}", str(batch))
 
 
 def calibration_key(target, heads, batch: int, datastore=None, temperature: float = 0.0,

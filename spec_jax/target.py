@@ -68,6 +68,13 @@ class Target:
 
         return "packed" if any(isinstance(w, PackedWeight) for w in layers[0].values()) else "unrolled"
 
+    @property
+    def weight_codes(self) -> bool:
+        """True when packed layers stream uint8 codes with scales (`cpu_gemm.pack_exact`)."""
+        layers = self.params["layers"]
+        return (isinstance(layers, (list, tuple))
+                and any(getattr(w, "scales", None) is not None for w in layers[0].values()))
+
     def new_cache(self, batch: int, num_slots: int):
         """An empty KV cache laid out like the parameters: per-layer buffers for unrolled layers."""
         from spec_jax.cache import cache_for
@@ -115,8 +122,10 @@ def load_target(path: str | Path, dtype: str | None = None, layers: str = "auto"
 
     layers: "scan" (stacked, compile time independent of depth), "unrolled" (per-layer buffers,
     faster decoding on CPU), "packed" (unrolled, float32 matrices in the CPU kernel's panel layout:
-    `pallas_kernels.cpu_gemm`) or "auto" (packed on CPU when the kernel builds and the weights are
-    float32, else unrolled on CPU; scan elsewhere)."""
+    `pallas_kernels.cpu_gemm`; a matrix that is exactly GGUF-dequantized, as SmolLM2's is, as
+    uint8 codes and scales that reproduce it bit for bit), "packed_f32" (every matrix as float32
+    panels: the same results, more bytes to read) or "auto" (packed on CPU when the kernel builds
+    and the weights are float32, else unrolled on CPU; scan elsewhere)."""
     from spec_jax.io import load_params, read_meta
 
     path = Path(path)
@@ -141,17 +150,18 @@ def arrange_layers(params, cfg: ModelConfig, layers: str = "auto"):
     from pallas_kernels import cpu_gemm
     from spec_jax.models.llama import pack_layers, unstack_layers
 
-    if layers not in ("auto", "scan", "unrolled", "packed"):
-        raise SpecJaxError(f"layers must be auto, scan, unrolled or packed, not {layers!r}")
+    if layers not in ("auto", "scan", "unrolled", "packed", "packed_f32"):
+        raise SpecJaxError(f"layers must be auto, scan, unrolled, packed or packed_f32, not "
+                            f"{layers!r}")
     if layers == "auto":
         if jax.default_backend() != "cpu":
             return params
         layers = "packed" if cfg.dtype == "float32" and cpu_gemm.available() else "unrolled"
-    if layers == "packed":
+    if layers in ("packed", "packed_f32"):
         if not cpu_gemm.available():
             raise SpecJaxError("layers='packed' needs the CPU packed-matmul kernel, which could not "
                                "be built here (it needs g++ and the CPU backend); use 'unrolled'")
-        return pack_layers(params)
+        return pack_layers(params, exact=layers == "packed")
     return unstack_layers(params) if layers == "unrolled" else params
 
 

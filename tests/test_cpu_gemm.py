@@ -121,6 +121,72 @@ def test_packed_target_matches_unrolled_and_stays_lossless():
         assert r.token_ids == plain
 
 
+def _gguf_blocks(w, kind):
+    """w [..., K, N] as GGUF stores and dequantizes it: blocks of 32 along K for each column."""
+    from gguf import quants
+
+    t = np.ascontiguousarray(np.swapaxes(np.asarray(w, np.float32), -1, -2))
+    return np.swapaxes(quants.dequantize(quants.quantize(t, kind), kind).reshape(t.shape), -1, -2)
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_gguf_dequantized_matrices_pack_as_exact_uint8_codes(kind):
+    """A matrix that is a GGUF Q4_1 or Q8_0 dequantization packs as uint8 codes and scales that
+    give back its float32 weights to the bit, and the kernel's products equal the float32
+    kernel's to the bit, for every row count; any other matrix keeps float32 panels."""
+    from gguf import GGMLQuantizationType
+
+    p = cpu_gemm.panel_width()
+    rng = np.random.default_rng(0)
+    w = _gguf_blocks(rng.standard_normal((96, 3 * p)) * 0.05, GGMLQuantizationType[kind])
+    w[:32, :p] = 0.25  # a constant block (d = 0)
+    codes = cpu_gemm.pack_exact(w)
+    assert codes.dtype == jnp.uint8 and codes.scales.shape == (3, 3, 2, p)
+    np.testing.assert_array_equal(np.asarray(cpu_gemm.unpack(codes)), w)
+    plain = cpu_gemm.pack(w)
+    mm = jax.jit(cpu_gemm.matmul)
+    for rows in (1, 2, 5, 8, 9, 70):
+        x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.float32)
+        np.testing.assert_array_equal(np.asarray(mm(x, codes)), np.asarray(mm(x, plain)))
+    np.testing.assert_allclose(np.asarray(mm(x, codes)), np.asarray(x) @ w, rtol=1e-4, atol=1e-4)
+    g = jax.grad(lambda x: jnp.sum(jnp.sin(cpu_gemm.matmul(x, codes))))(x)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(jax.grad(
+        lambda x: jnp.sum(jnp.sin(x @ jnp.asarray(w))))(x)), rtol=1e-4, atol=1e-4)
+    w[5, 7] += 1e-3  # no longer of that form: float32 panels
+    assert cpu_gemm.pack_exact(w).scales is None and cpu_gemm.pack_exact(w).dtype == jnp.float32
+
+
+def test_a_gguf_quantized_target_decodes_the_same_from_codes_and_from_float32():
+    """SmolLM2 ships as a GGUF file; a target whose matrices are GGUF dequantizations packs them as
+    codes (`layers="packed"`), and decodes exactly as with float32 panels (`"packed_f32"`)."""
+    from gguf import GGMLQuantizationType as Q
+
+    from spec_jax.models.llama import PACKED_KEYS
+    from spec_jax.target import Target, arrange_layers
+
+    cfg = tiny_config(vocab_size=96, hidden_size=64, intermediate_size=128, num_heads=4,
+                      num_kv_heads=2, head_dim=16)
+    base = spec_jax.random_target(cfg, seed=1, scale=0.3).params
+    params = {**base, "embed": jnp.asarray(_gguf_blocks(np.asarray(base["embed"]).T, Q.Q8_0).T),
+              "layers": {k: jnp.asarray(_gguf_blocks(v, Q.Q4_1)) if k in PACKED_KEYS else v
+                         for k, v in base["layers"].items()}}
+    if "lm_head" in base:  # untied: [H, V], blocks along H as for the embedding
+        params["lm_head"] = jnp.asarray(_gguf_blocks(base["lm_head"], Q.Q8_0))
+    codes = Target(cfg=cfg, params=arrange_layers(params, cfg, "packed"))
+    f32 = Target(cfg=cfg, params=arrange_layers(params, cfg, "packed_f32"))
+    assert codes.weight_codes and not f32.weight_codes
+    assert codes.params["lm_head"].dtype == jnp.uint8
+    ids = np.arange(3, 40) % 96
+    np.testing.assert_array_equal(codes.logits(ids), f32.logits(ids))
+    prompt = [3, 17, 5, 3, 17, 5, 9]
+    plain = spec_jax.generate(f32, prompt, 40, stop_at_eos=False).token_ids
+    assert spec_jax.generate(codes, prompt, 40, stop_at_eos=False).token_ids == plain
+    heads = spec_jax.init_draft(codes, "eagle", seed=0)
+    for draft, tree in (("ngram", None), (heads, "dynamic:4,3,8")):
+        r = spec_jax.generate(codes, prompt, 40, draft=draft, tree=tree, stop_at_eos=False)
+        assert r.token_ids == plain
+
+
 def test_a_prompt_runs_in_a_compiled_longer_prefill_with_the_same_bits():
     """With the packed kernels a prompt's results do not depend on its padding, so a prompt whose
     64-token bucket has no program yet runs in a compiled one up to twice as long: the tokens it
@@ -150,7 +216,7 @@ def test_a_prompt_runs_in_a_compiled_longer_prefill_with_the_same_bits():
 def test_layers_argument_is_checked(tmp_path):
     from spec_jax.target import arrange_layers
 
-    with pytest.raises(spec_jax.SpecJaxError, match="scan, unrolled or packed"):
+    with pytest.raises(spec_jax.SpecJaxError, match="scan, unrolled, packed or packed_f32"):
         arrange_layers({}, tiny_config(), "fast")
 
 

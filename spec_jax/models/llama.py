@@ -231,17 +231,21 @@ def unstack_layers(params):
 PACKED_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
 
 
-def pack_layers(params):
+def pack_layers(params, exact: bool = True):
     """Unrolled layers with float32 matrices (and the LM head) in the CPU kernel's panel layout.
 
     Decoding and verification then read each weight once, contiguously, for 1-64 rows, and a
     prefill runs through the same kernel in row blocks (see `pallas_kernels.cpu_gemm`). A tied
-    LM head gets a packed copy of embed.T (+V*H floats)."""
+    LM head gets a packed copy of embed.T (+V*H floats). With `exact`, a matrix that is exactly
+    d * q + m in blocks of 32 (a target converted from a GGUF Q4_1/Q8_0 file) is packed as uint8
+    codes and scales: the same float32 weights, a third of the bytes to read (`pack_exact`)."""
     params = unstack_layers(params)
-    out = {**params, "layers": [cpu_gemm.pack_matrices(lp, PACKED_KEYS) for lp in params["layers"]]}
+    how = "exact" if exact else None
+    out = {**params, "layers": [cpu_gemm.pack_matrices(lp, PACKED_KEYS, how)
+                                for lp in params["layers"]]}
     lm = lm_head_weight(params)
     if cpu_gemm.packable(lm):
-        out["lm_head"] = cpu_gemm.pack(lm)
+        out["lm_head"] = cpu_gemm.pack_exact(lm) if exact else cpu_gemm.pack(lm)
     return out
 
 
