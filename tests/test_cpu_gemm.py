@@ -181,7 +181,9 @@ def test_a_gguf_quantized_target_decodes_the_same_from_codes_and_from_float32():
     prompt = [3, 17, 5, 3, 17, 5, 9]
     plain = spec_jax.generate(f32, prompt, 40, stop_at_eos=False).token_ids
     assert spec_jax.generate(codes, prompt, 40, stop_at_eos=False).token_ids == plain
-    heads = spec_jax.init_draft(codes, "eagle", seed=0)
+    heads = spec_jax.init_draft(codes, "eagle", seed=0, d2t=np.arange(0, 96, 3))
+    assert heads.bind(codes)["lm_sub"].dtype == jnp.uint8  # the LM head's slice keeps its codes
+    assert heads.bind(codes)["layer"]["wq"].dtype == jnp.bfloat16
     for draft, tree in (("ngram", None), (heads, "dynamic:4,3,8")):
         r = spec_jax.generate(codes, prompt, 40, draft=draft, tree=tree, stop_at_eos=False)
         assert r.token_ids == plain

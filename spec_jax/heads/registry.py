@@ -62,7 +62,8 @@ class DraftHeads:
         per target and params object and kept in the target's cache of compiled things.
 
         On a packed target the matrices are packed too, as bfloat16 (`PACKED_DTYPE`; `pack=False`
-        keeps them plain float32: training updates and saves plain matrices)."""
+        keeps them plain float32: training updates and saves plain matrices), except a draft
+        vocabulary's slice of a target LM head held as exact uint8 codes, which keeps its codes."""
         from spec_jax.heads.vocab import bind_target
 
         pack = pack and target.layout == "packed"
@@ -72,9 +73,13 @@ class DraftHeads:
             return hit[2]
         params = bind_target(self.params, target.params, target.cfg)
         if pack:
-            from pallas_kernels.cpu_gemm import pack_matrices
+            from pallas_kernels.cpu_gemm import pack_exact, pack_matrices
 
-            params = pack_matrices(params, PACKABLE, PACKED_DTYPE)
+            exact = {}
+            if "lm_sub" in params and target.weight_codes:  # a slice of the target's LM head:
+                w = pack_exact(params["lm_sub"])  # its exact codes, fewer bytes than bfloat16
+                exact = {"lm_sub": w} if w.scales is not None else {}
+            params = {**pack_matrices(params, PACKABLE, PACKED_DTYPE), **exact}
         target.compiled[key] = (self.params, target.params, params)
         return params
 
