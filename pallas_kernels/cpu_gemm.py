@@ -176,18 +176,24 @@ def dot_f32(x, w):
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
-@jax.custom_jvp
-def _packed_matmul(x, panels):
-    k, n = panels.shape[1], panels.shape[0] * panels.shape[2]
+def _kernel_product(x, w: PackedWeight):
+    """x [..., K] @ w through the FFI kernel for w's panel dtype, or XLA's dot on the unpacked
+    matrix where the kernel cannot take it (no rows, non-float32 x, kernel not built here)."""
+    k, n = w.shape
     lead = x.shape[:-1]
     rows = int(np.prod(lead, dtype=np.int64))
-    if (rows == 0 or x.dtype != jnp.float32 or panels.dtype not in TARGETS
-            or not available() or panels.shape[2] != panel_width()):
-        return x @ unpack(PackedWeight(panels)).astype(x.dtype)
-    y = jax.ffi.ffi_call(TARGETS[panels.dtype], jax.ShapeDtypeStruct((rows, n), jnp.float32),
-                         vmap_method="sequential")(
-        x.reshape(rows, k), panels)
+    if (rows == 0 or x.dtype != jnp.float32 or w.panels.dtype not in TARGETS
+            or not available() or w.panels.shape[2] != panel_width()):
+        return x @ unpack(w).astype(x.dtype)
+    operands = (w.panels,) if w.scales is None else (w.panels, w.scales)
+    y = jax.ffi.ffi_call(TARGETS[w.panels.dtype], jax.ShapeDtypeStruct((rows, n), jnp.float32),
+                         vmap_method="sequential")(x.reshape(rows, k), *operands)
     return y.reshape(*lead, n)
+
+
+@jax.custom_jvp
+def _packed_matmul(x, panels):
+    return _kernel_product(x, PackedWeight(panels))
 
 
 @_packed_matmul.defjvp
@@ -200,15 +206,7 @@ def _packed_matmul_jvp(primals, tangents):
 
 @jax.custom_jvp
 def _affine_matmul(x, panels, scales):
-    k, n = panels.shape[1], panels.shape[0] * panels.shape[2]
-    lead = x.shape[:-1]
-    rows = int(np.prod(lead, dtype=np.int64))
-    if (rows == 0 or x.dtype != jnp.float32 or not available()
-            or panels.shape[2] != panel_width()):
-        return x @ unpack(PackedWeight(panels, scales)).astype(x.dtype)
-    y = jax.ffi.ffi_call(TARGETS[panels.dtype], jax.ShapeDtypeStruct((rows, n), jnp.float32),
-                         vmap_method="sequential")(x.reshape(rows, k), panels, scales)
-    return y.reshape(*lead, n)
+    return _kernel_product(x, PackedWeight(panels, scales))
 
 
 @_affine_matmul.defjvp

@@ -79,7 +79,8 @@ class DraftHeads:
             if "lm_sub" in params and target.weight_codes:  # a slice of the target's LM head:
                 w = pack_exact(params["lm_sub"])  # its exact codes, fewer bytes than bfloat16
                 exact = {"lm_sub": w} if w.scales is not None else {}
-            params = {**pack_matrices(params, PACKABLE, PACKED_DTYPE), **exact}
+            keys = tuple(k for k in PACKABLE if k not in exact)
+            params = {**pack_matrices(params, keys, PACKED_DTYPE), **exact}
         target.compiled[key] = (self.params, target.params, params)
         return params
 
