@@ -57,29 +57,64 @@ inline vec load_w(const uint16_t* w) {
   return (vec)(__builtin_convertvector(*reinterpret_cast<const hvec_u*>(w), uvec) << 16);
 }
 
-// Or uint8 codes q with a float32 scale d and offset m per column and block of kBlock rows of K:
+// Or uint8 codes q with a float16 scale d and offset m per column and block of kBlock rows of K:
 // w = d * q + m. That is how GGUF's Q4_1 and Q8_0 blocks dequantize (a 16-bit d times an 8-bit q
 // is exact in float32, so the one rounding is the add's, and a fused multiply-add gives the same
-// bits), so a target converted from such a file streams 1.25 bytes per weight instead of 4 and
-// multiplies by exactly the float32 weights it was converted to (`cpu_gemm.pack_exact`).
+// bits), so a target converted from such a file multiplies by exactly the float32 weights it was
+// converted to (`cpu_gemm.pack_exact`) while streaming 1.125 bytes per weight instead of 4, or
+// 0.625 where every code fits 4 bits (Q4_1): then a panel row is kPanel / 2 bytes, byte j holding
+// column j in its low half and column j + kVec in its high half (`Nib`), so one load and
+// zero-extension gives both of the row's vectors (a mask and a shift apart).
 constexpr int64_t kBlock = 32;
-inline vec load_q(const uint8_t* w) {  // zero-extend, convert: one instruction each
+struct Nib {  // tag: a byte of two 4-bit codes
+  uint8_t b;
+};
+static_assert(kNV == 2, "4-bit panels hold a panel row's two vectors in one run of bytes");
+template <typename W>
+constexpr int kRow = std::is_same_v<W, Nib> ? kPanel / 2 : kPanel;  // elements per panel row
+// Prefetch distance in elements: kPrefetch float32 rows' worth of bytes, whatever the element.
+template <typename W>
+constexpr int64_t kAhead = int64_t{kPrefetch} * kPanel * 4 / sizeof(W) / kRow<W> * kRow<W>;
+
 #if defined(__AVX512F__)
-  return (vec)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)w)));
+inline __m512i widen(const uint8_t* w) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)w)); }
+inline vec to_vec(__m512i q) { return (vec)_mm512_cvtepi32_ps(q); }
+inline __m512i low4(__m512i q) { return _mm512_and_si512(q, _mm512_set1_epi32(15)); }
+inline __m512i high4(__m512i q) { return _mm512_srli_epi32(q, 4); }
+inline vec load_s(const uint16_t* s) { return (vec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)s)); }
 #else
-  return (vec)_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)w)));
+inline __m256i widen(const uint8_t* w) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)w)); }
+inline vec to_vec(__m256i q) { return (vec)_mm256_cvtepi32_ps(q); }
+inline __m256i low4(__m256i q) { return _mm256_and_si256(q, _mm256_set1_epi32(15)); }
+inline __m256i high4(__m256i q) { return _mm256_srli_epi32(q, 4); }
+inline vec load_s(const uint16_t* s) { return (vec)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)s)); }
 #endif
+
+// The kNV vectors of one panel row, as float32.
+template <typename W>
+inline void load_row(const W* w, vec* wv) {
+#pragma GCC unroll 16
+  for (int v = 0; v < kNV; ++v) wv[v] = load_w(w + v * kVec);
+}
+inline void load_row(const uint8_t* w, vec* wv) {
+#pragma GCC unroll 16
+  for (int v = 0; v < kNV; ++v) wv[v] = to_vec(widen(w + v * kVec));
+}
+inline void load_row(const Nib* w, vec* wv) {
+  const auto q = widen(reinterpret_cast<const uint8_t*>(w));
+  wv[0] = to_vec(low4(q));
+  wv[1] = to_vec(high4(q));
 }
 
 // y[t, panel's columns] for TB rows: one fused multiply-add chain over k = 0..K-1 per element,
 // the same in every tile shape, so a row's result does not depend on R. `scales` ([K / kBlock, 2,
-// kPanel]: d, then m) is read for uint8 panels only.
+// kPanel] float16: d, then m) is read for code panels only.
 template <int TB, typename W>
 inline void tile(const float* __restrict x, int64_t K, const W* __restrict panel,
-                 const float* __restrict scales, float* __restrict y, int64_t N) {
-  constexpr bool kAffine = std::is_same_v<W, uint8_t>;
+                 const uint16_t* __restrict scales, float* __restrict y, int64_t N) {
+  constexpr bool kAffine = std::is_same_v<W, uint8_t> || std::is_same_v<W, Nib>;
   constexpr int NV = kNV;
-  constexpr int kLine = 64 / sizeof(W);  // weights per cache line
+  constexpr int kLine = 64 / sizeof(W);  // elements per cache line
   vec acc[TB][NV];
 #pragma GCC unroll 16
   for (int t = 0; t < TB; ++t)
@@ -90,26 +125,23 @@ inline void tile(const float* __restrict x, int64_t K, const W* __restrict panel
   for (int64_t k0 = 0; k0 < K; k0 += span) {
     vec dv[NV], mv[NV];
     if constexpr (kAffine) {
-      const float* s = scales + (k0 / kBlock) * 2 * kPanel;
+      const uint16_t* s = scales + (k0 / kBlock) * 2 * kPanel;
 #pragma GCC unroll 16
       for (int v = 0; v < NV; ++v) {
-        dv[v] = load_w(s + v * kVec);
-        mv[v] = load_w(s + kPanel + v * kVec);
+        dv[v] = load_s(s + v * kVec);
+        mv[v] = load_s(s + kPanel + v * kVec);
       }
     }
-    for (int64_t k = k0; k < k0 + span; ++k, w += kPanel) {
+    for (int64_t k = k0; k < k0 + span; ++k, w += kRow<W>) {
       if constexpr (kPrefetch > 0) {
 #pragma GCC unroll 4
-        for (int c = 0; c < kPanel; c += kLine) __builtin_prefetch(w + kPrefetch * kPanel + c);
+        for (int c = 0; c < kRow<W>; c += kLine) __builtin_prefetch(w + kAhead<W> + c);
       }
       vec wv[NV];
+      load_row(w, wv);
+      if constexpr (kAffine) {
 #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) {
-        if constexpr (kAffine) {
-          wv[v] = dv[v] * load_q(w + v * kVec) + mv[v];
-        } else {
-          wv[v] = load_w(w + v * kVec);
-        }
+        for (int v = 0; v < NV; ++v) wv[v] = dv[v] * wv[v] + mv[v];
       }
 #pragma GCC unroll 16
       for (int t = 0; t < TB; ++t) {
@@ -127,8 +159,8 @@ inline void tile(const float* __restrict x, int64_t K, const W* __restrict panel
 
 // n (< kTop) rows against a whole panel, in one tile of n rows.
 template <typename W, int TB = kTop - 1>
-inline void rest(int n, const float* x, int64_t K, const W* panel, const float* scales, float* y,
-                 int64_t N) {
+inline void rest(int n, const float* x, int64_t K, const W* panel, const uint16_t* scales,
+                 float* y, int64_t N) {
   if constexpr (TB > 0) {
     if (n == TB) return tile<TB>(x, K, panel, scales, y, N);
     rest<W, TB - 1>(n, x, K, panel, scales, y, N);
@@ -140,14 +172,14 @@ inline void rest(int n, const float* x, int64_t K, const W* panel, const float* 
 // stream past them.
 constexpr int64_t kRowBytes = 256 << 10;
 template <typename W>
-void panels(const float* x, int64_t R, int64_t K, const W* w, const float* scales, int64_t N,
+void panels(const float* x, int64_t R, int64_t K, const W* w, const uint16_t* scales, int64_t N,
             float* y, int64_t p0, int64_t p1) {
   const int64_t block = std::max<int64_t>(kTop, kRowBytes / (K * 4) / kTop * kTop);
   for (int64_t r0 = 0; r0 < R; r0 += block) {
     const int64_t r1 = std::min(R, r0 + block);
     for (int64_t p = p0; p < p1; ++p) {
-      const W* panel = w + p * K * kPanel;
-      const float* ps = scales ? scales + p * (K / kBlock) * 2 * kPanel : nullptr;
+      const W* panel = w + p * K * kRow<W>;
+      const uint16_t* ps = scales ? scales + p * (K / kBlock) * 2 * kPanel : nullptr;
       float* yp = y + p * kPanel;
       int64_t r = r0;
       for (; r + kTop <= r1; r += kTop) tile<kTop>(x + r * K, K, panel, ps, yp + r * N, N);
@@ -160,7 +192,7 @@ template <typename W>
 struct Job {
   const float* x;
   const W* w;
-  const float* scales;  // uint8 panels only
+  const uint16_t* scales;  // code panels only
   float* y;
   int64_t R, K, N, num_panels, chunk;
   spec_jax::Claims claims;  // one item per chunk of panels
@@ -175,9 +207,9 @@ struct Job {
 
 template <typename W>
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const int64_t> wd,
-               const W* w, const float* scales, ffi::ResultBuffer<ffi::F32>& y) {
+               const W* w, const uint16_t* scales, ffi::ResultBuffer<ffi::F32>& y) {
   auto xd = x.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel ||
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kRow<W> ||
       wd[1] != xd[1] || yd[0] != xd[0] || yd[1] != wd[0] * kPanel) {
     return ffi::Error::InvalidArgument(
         "spec_jax packed gemm: expected x [R, K], w [N/P, K, P], y [R, N] with P = "
@@ -205,17 +237,24 @@ ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return Run(pool, x, w.dimensions(), w.typed_data(), nullptr, y);
 }
 
-// uint8 panels [N/P, K, P] with scales [N/P, K/kBlock, 2, P] (d, then m).
+// uint8 code panels [N/P, K, P], or [N/P, K, P/2] of 4-bit pairs, with float16 scales
+// [N/P, K/kBlock, 2, P] (d, then m).
 ffi::Error PackedGemmAffine(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> s,
+                            ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F16> s,
                             ffi::ResultBuffer<ffi::F32> y) {
   auto wd = w.dimensions(), sd = s.dimensions();
   if (wd.size() != 3 || wd[1] % kBlock != 0 || sd.size() != 4 || sd[0] != wd[0] ||
-      sd[1] != wd[1] / kBlock || sd[2] != 2 || sd[3] != wd[2]) {
+      sd[1] != wd[1] / kBlock || sd[2] != 2 || sd[3] != kPanel ||
+      (wd[2] != kPanel && wd[2] != kPanel / 2)) {
     return ffi::Error::InvalidArgument(
-        "spec_jax affine packed gemm: expected w [N/P, K, P] uint8 and scales [N/P, K/32, 2, P]");
+        "spec_jax affine packed gemm: expected w [N/P, K, P] or [N/P, K, P/2] uint8 and "
+        "float16 scales [N/P, K/32, 2, P]");
   }
-  return Run(pool, x, wd, w.typed_data(), s.typed_data(), y);
+  auto scales = reinterpret_cast<const uint16_t*>(s.typed_data());
+  if (wd[2] == kPanel / 2) {
+    return Run(pool, x, wd, reinterpret_cast<const Nib*>(w.typed_data()), scales, y);
+  }
+  return Run(pool, x, wd, w.typed_data(), scales, y);
 }
 
 }  // namespace
@@ -240,5 +279,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmAffine, PackedGemmAffine,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

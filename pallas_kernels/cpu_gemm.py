@@ -54,15 +54,21 @@ BLOCK = 32  # rows of K that share one scale and offset in uint8 panels (GGUF's 
 class PackedWeight:
     """A [K, N] matrix stored as N/P contiguous column panels: panels [N/P, K, P], float32, or
     bfloat16 for draft heads (half the bytes to read; products still accumulate in float32), or
-    uint8 codes q with `scales` [N/P, K/32, 2, P] (d, m): weight = d * q + m, exactly the float32
-    matrix it was packed from (`pack_exact`)."""
+    uint8 codes q with float16 `scales` [N/P, K/32, 2, P] (d, m): weight = d * q + m, exactly the
+    float32 matrix it was packed from (`pack_exact`). Codes that all fit 4 bits are stored two to a
+    byte, panels [N/P, K, P/2]: byte j of a panel row holds column j (low half) and j + P/2."""
     panels: jax.Array
     scales: jax.Array | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         p, k, c = self.panels.shape[-3:]
-        return (k, p * c)
+        return (k, p * (c if self.scales is None else self.scales.shape[-1]))
+
+    @property
+    def nibbles(self) -> bool:
+        """True when the codes are 4-bit pairs (panels [N/P, K, P/2])."""
+        return self.scales is not None and 2 * self.panels.shape[-1] == self.scales.shape[-1]
 
     @property
     def dtype(self):
@@ -79,22 +85,25 @@ def pack(w, dtype=None) -> PackedWeight:
 
 
 def unpack(w: PackedWeight) -> jax.Array:
-    p, k, c = w.panels.shape
     panels = w.panels
+    if w.nibbles:
+        panels = jnp.concatenate([panels & 15, panels >> 4], axis=-1)
     if w.scales is not None:  # d * q + m: d * q is exact, so this is the kernel's weight to the bit
-        s = jnp.repeat(w.scales, BLOCK, axis=1)  # [N/P, K, 2, P]
+        s = jnp.repeat(w.scales.astype(jnp.float32), BLOCK, axis=1)  # [N/P, K, 2, P]
         panels = s[:, :, 0] * panels.astype(jnp.float32) + s[:, :, 1]
+    p, k, c = panels.shape
     return panels.transpose(1, 0, 2).reshape(k, p * c)
 
 
 def affine_codes(w):
     """w [K, N] float32 as uint8 codes q [K, N] and per-(32-row block, column) d, m [K/32, N]
-    float32 with w == d * q + m bit for bit, or None where some block has no such form.
+    float16 with w == d * q + m bit for bit, or None where some block has no such form.
 
     Finds the two forms GGUF's blocks dequantize to: Q4_1 (m = the block's minimum, d a float16
     near (max - min) / 15, q in 0..15) and Q8_0 (d a float16 of max |w| / 127, q + 128 with
     m = -128 d). d is a float16 in both, so d * q (q < 256) is exact in float32 and the only
-    rounding is the add's, which a fused multiply-add repeats."""
+    rounding is the add's, which a fused multiply-add repeats. m must be a float16 too (GGUF
+    stores Q4_1's minimum as one; Q8_0's -128 d is one), so scales take 4 bytes per 32 weights."""
     if (getattr(w, "ndim", 0) != 2 or jnp.dtype(w.dtype) != jnp.float32
             or w.shape[0] % BLOCK):
         return None
@@ -115,6 +124,7 @@ def _affine_codes(w):
         safe = jnp.where(dc > 0, dc, 1)[:, None]
         qc = jnp.clip(jnp.where(dc[:, None] > 0, jnp.rint((b - mc[:, None]) / safe), 0), 0, 255)
         ok = jnp.all((dc[:, None] * qc + mc[:, None] == b) & jnp.isfinite(dc)[:, None], axis=1)
+        ok &= f16(mc) == mc
         cur = (qc.astype(jnp.uint8), dc, mc, ok)
         if best is None:
             best = cur
@@ -123,13 +133,14 @@ def _affine_codes(w):
             best = (jnp.where(ok0[:, None], q0, cur[0]), jnp.where(ok0, d0, dc),
                     jnp.where(ok0, m0, mc), ok0 | ok)
     q, d, m, ok = best
-    return q.reshape(k, n), d, m, jnp.all(ok)
+    return q.reshape(k, n), d.astype(jnp.float16), m.astype(jnp.float16), jnp.all(ok)
 
 
 def pack_exact(w) -> PackedWeight:
-    """[K, N] float32 -> uint8 panels with scales where `affine_codes` finds the matrix's exact
-    form (a GGUF-quantized checkpoint's matrices: 1.25 bytes a weight to stream instead of 4, the
-    same products to the bit), else float32 panels (`pack`)."""
+    """[K, N] float32 -> uint8 code panels with float16 scales where `affine_codes` finds the
+    matrix's exact form (a GGUF-quantized checkpoint's matrices: 1.125 bytes a weight to stream
+    instead of 4, 0.625 when every code fits 4 bits, and the same products to the bit), else
+    float32 panels (`pack`)."""
     codes = affine_codes(w) if packable(w) else None
     if codes is None:
         return pack(w)
@@ -137,8 +148,21 @@ def pack_exact(w) -> PackedWeight:
     k, n = q.shape
     p = panel_width()
     panels = q.reshape(k, n // p, p).transpose(1, 0, 2)
+    if int(jnp.max(q)) < 16:
+        panels = panels[..., : p // 2] | (panels[..., p // 2:] << 4)
     scales = jnp.stack([d, m], axis=1).reshape(k // BLOCK, 2, n // p, p).transpose(2, 0, 1, 3)
     return PackedWeight(panels, scales)
+
+
+def concat(ws) -> PackedWeight | None:
+    """Packed matrices [K, N_i] with the same K and storage as one [K, sum N_i] (their panels side
+    by side, so each column's products are unchanged), or None where the storage differs."""
+    kinds = {(w.panels.dtype, w.panels.shape[1:], w.nibbles) for w in ws
+             if isinstance(w, PackedWeight)}
+    if len(kinds) != 1 or not all(isinstance(w, PackedWeight) for w in ws):
+        return None
+    scales = None if ws[0].scales is None else jnp.concatenate([w.scales for w in ws])
+    return PackedWeight(jnp.concatenate([w.panels for w in ws]), scales)
 
 
 def unpack_all(tree):
@@ -183,7 +207,7 @@ def _kernel_product(x, w: PackedWeight):
     lead = x.shape[:-1]
     rows = int(np.prod(lead, dtype=np.int64))
     if (rows == 0 or x.dtype != jnp.float32 or w.panels.dtype not in TARGETS
-            or not available() or w.panels.shape[2] != panel_width()):
+            or not available() or w.shape[1] // w.panels.shape[0] != panel_width()):
         return x @ unpack(w).astype(x.dtype)
     operands = (w.panels,) if w.scales is None else (w.panels, w.scales)
     y = jax.ffi.ffi_call(TARGETS[w.panels.dtype], jax.ShapeDtypeStruct((rows, n), jnp.float32),

@@ -96,13 +96,21 @@ def test_packed_target_matches_unrolled_and_stays_lossless():
     base = spec_jax.random_target(cfg, seed=1, scale=0.3)
     unrolled = unstack_layers(base.params)
     packed = pack_layers(base.params)
-    assert isinstance(packed["layers"][0]["wq"], cpu_gemm.PackedWeight)
+    assert set(packed["layers"][0]) == {"attn_norm", "mlp_norm", "wqkv", "wo", "w_gate_up",
+                                        "w_down"}  # q/k/v and gate/up joined: fewer kernel calls
+    assert packed["layers"][0]["wqkv"].shape == (64, 128)
+    assert packed["layers"][0]["w_gate_up"].shape == (64, 256)
     assert isinstance(packed["lm_head"], cpu_gemm.PackedWeight)
     toks = jnp.asarray(np.random.default_rng(2).integers(0, 96, (2, 7)), jnp.int32)
     args = (toks, jnp.broadcast_to(jnp.arange(7), (2, 7)), base.new_cache(2, 16), causal_mask(2, 7))
     a = forward(unrolled, cfg, *args)
     b = forward(packed, cfg, *args)
     np.testing.assert_allclose(np.asarray(a.logits), np.asarray(b.logits), atol=2e-5)
+    from spec_jax.models.llama import PACKED_KEYS
+    unfused = {**packed, "layers": [cpu_gemm.pack_matrices(lp, PACKED_KEYS)
+                                    for lp in unrolled["layers"]]}
+    np.testing.assert_array_equal(np.asarray(forward(unfused, cfg, *args).logits),
+                                  np.asarray(b.logits))
 
     target = spec_jax.target.Target(cfg=cfg, params=packed)
     assert target.layout == "packed" and base.layout == "scan"
@@ -114,7 +122,7 @@ def test_packed_target_matches_unrolled_and_stays_lossless():
     packed_leaves = [x for x in jax.tree.leaves(bound, is_leaf=lambda x: isinstance(
         x, cpu_gemm.PackedWeight)) if isinstance(x, cpu_gemm.PackedWeight)]
     assert packed_leaves and all(x.dtype == jnp.bfloat16 for x in packed_leaves)  # draft only
-    assert target.params["layers"][0]["wq"].dtype == jnp.float32
+    assert target.params["layers"][0]["wqkv"].dtype == jnp.float32
     assert heads.bind(target) is bound  # made once per target
     for draft, tree in (("ngram", None), (heads, "dynamic:4,3,8")):
         r = spec_jax.generate(target, prompt, 40, draft=draft, tree=tree, stop_at_eos=False)
@@ -131,9 +139,10 @@ def _gguf_blocks(w, kind):
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 def test_gguf_dequantized_matrices_pack_as_exact_uint8_codes(kind):
-    """A matrix that is a GGUF Q4_1 or Q8_0 dequantization packs as uint8 codes and scales that
-    give back its float32 weights to the bit, and the kernel's products equal the float32
-    kernel's to the bit, for every row count; any other matrix keeps float32 panels."""
+    """A matrix that is a GGUF Q4_1 or Q8_0 dequantization packs as uint8 codes (Q4_1's two to a
+    byte) and float16 scales that give back its float32 weights to the bit, and the kernel's
+    products equal the float32 kernel's to the bit, for every row count; any other matrix keeps
+    float32 panels."""
     from gguf import GGMLQuantizationType
 
     p = cpu_gemm.panel_width()
@@ -142,6 +151,9 @@ def test_gguf_dequantized_matrices_pack_as_exact_uint8_codes(kind):
     w[:32, :p] = 0.25  # a constant block (d = 0)
     codes = cpu_gemm.pack_exact(w)
     assert codes.dtype == jnp.uint8 and codes.scales.shape == (3, 3, 2, p)
+    assert codes.scales.dtype == jnp.float16 and codes.shape == (96, 3 * p)
+    assert codes.nibbles == (kind == "Q4_1")
+    assert codes.panels.shape == (3, 96, p // 2 if kind == "Q4_1" else p)
     np.testing.assert_array_equal(np.asarray(cpu_gemm.unpack(codes)), w)
     plain = cpu_gemm.pack(w)
     mm = jax.jit(cpu_gemm.matmul)

@@ -6,6 +6,8 @@ grow with depth; `unstack_layers` turns them into a list for unrolled execution,
   layers: attn_norm [L, H], wq [L, H, NH*D], wk/wv [L, H, KVH*D], wo [L, NH*D, H],
           (bq [L, NH*D], bk/bv [L, KVH*D] when attention_bias), mlp_norm [L, H],
           w_gate/w_up [L, H, I], w_down [L, I, H].
+`pack_layers` (CPU) makes them a list of per-layer dicts of packed matrices, with wqkv [H, (NH +
+2 KVH) * D] and w_gate_up [H, 2I] in place of the matrices they join.
 
 One `forward` serves prefill, single-token decode and tree verification: the T block tokens attend
 to the committed cache plus each other under `block_mask`, and their K/V come back separately so the
@@ -154,9 +156,11 @@ def decoder_layer(lp, cfg: ModelConfig, x, rope, attend, input_norm=True):
     b, t, _ = x.shape
     d = cfg.head_dim
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps) if input_norm else x
-    q = matmul(h, lp["wq"])
-    k = matmul(h, lp["wk"])
-    v = matmul(h, lp["wv"])
+    if "wqkv" in lp:  # packed side by side (`pack_layers`): one kernel call
+        nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
+        q, k, v = jnp.split(matmul(h, lp["wqkv"]), [nq, nq + nkv], axis=-1)
+    else:
+        q, k, v = matmul(h, lp["wq"]), matmul(h, lp["wk"]), matmul(h, lp["wv"])
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = apply_rope(q.reshape(b, t, cfg.num_heads, d), rope)
@@ -165,7 +169,11 @@ def decoder_layer(lp, cfg: ModelConfig, x, rope, attend, input_norm=True):
     a = attend(q, k, v).reshape(b, t, cfg.num_heads * d)
     x = x + matmul(a, lp["wo"])
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
-    x = x + matmul(jax.nn.silu(matmul(h, lp["w_gate"])) * matmul(h, lp["w_up"]), lp["w_down"])
+    if "w_gate_up" in lp:
+        gate, up = jnp.split(matmul(h, lp["w_gate_up"]), 2, axis=-1)
+    else:
+        gate, up = matmul(h, lp["w_gate"]), matmul(h, lp["w_up"])
+    x = x + matmul(jax.nn.silu(gate) * up, lp["w_down"])
     return x, k, v
 
 
@@ -229,6 +237,18 @@ def unstack_layers(params):
 
 
 PACKED_KEYS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+FUSED_KEYS = {"wqkv": ("wq", "wk", "wv"), "w_gate_up": ("w_gate", "w_up")}
+
+
+def _fuse(lp):
+    """A packed layer with q/k/v and gate/up side by side (`FUSED_KEYS`), where each group shares
+    its storage: one kernel call each instead of three and two (each call costs a few
+    microseconds of hand-off to the thread pool; SmolLM2 has 210 a token without fusing)."""
+    for name, keys in FUSED_KEYS.items():
+        w = cpu_gemm.concat([lp.get(k) for k in keys])
+        if w is not None:
+            lp = {**{k: v for k, v in lp.items() if k not in keys}, name: w}
+    return lp
 
 
 def pack_layers(params, exact: bool = True):
@@ -238,10 +258,11 @@ def pack_layers(params, exact: bool = True):
     prefill runs through the same kernel in row blocks (see `pallas_kernels.cpu_gemm`). A tied
     LM head gets a packed copy of embed.T (+V*H floats). With `exact`, a matrix that is exactly
     d * q + m in blocks of 32 (a target converted from a GGUF Q4_1/Q8_0 file) is packed as uint8
-    codes and scales: the same float32 weights, a third of the bytes to read (`pack_exact`)."""
+    codes and scales: the same float32 weights, a fraction of the bytes to read (`pack_exact`).
+    Matrices that read the same input are then joined (`_fuse`)."""
     params = unstack_layers(params)
     how = "exact" if exact else None
-    out = {**params, "layers": [cpu_gemm.pack_matrices(lp, PACKED_KEYS, how)
+    out = {**params, "layers": [_fuse(cpu_gemm.pack_matrices(lp, PACKED_KEYS, how))
                                 for lp in params["layers"]]}
     lm = lm_head_weight(params)
     if cpu_gemm.packable(lm):
