@@ -23,7 +23,7 @@ import numpy as np
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.graft import split_datastore, uses_datastore
 from spec_jax.heads.switch import as_switch
-from spec_jax.sizing import PLAIN, size_tree, tree_name, tree_tokens, verify_latency
+from spec_jax.sizing import PLAIN, size_ngram, size_tree, tree_name, tree_tokens, verify_latency
 
 
 @dataclasses.dataclass
@@ -260,7 +260,14 @@ def bench_cli(a):
     for spec in a.drafts:
         name, _, tree = spec.partition("@")
         if name == "ngram":
-            drafts[spec] = ("ngram", tree or None)
+            if tree == "auto":  # sized before the runs, as heads are
+                fresh = bool(a.calibrate or a.calibrate_on)
+                chosen, report = size_ngram(target, calib, use_cache=not fresh, **sampling)
+                (out / "sizing_ngram.json").write_text(json.dumps(report, indent=1))
+                drafts[f"ngram@auto({tree_name(chosen)})"] = ((None, None) if chosen == PLAIN
+                                                              else ("ngram", chosen))
+            else:
+                drafts[spec] = ("ngram", tree or None)
             continue
         heads = spec_jax.load_draft(name)
         switch = as_switch(tree)

@@ -76,10 +76,11 @@ def cmd_demo(a):
         print(f"fetching SmolLM2-135M-Instruct into {model} ...", flush=True)
         fetch("smollm2-135m-instruct", model, force=model.exists())
     target = spec_jax.load_target(model)
-    drafts = [("plain", None), ("ngram", "ngram")]
-    if Path(a.draft).is_dir():
-        from spec_jax.sizing import size_tree, tree_name
+    from spec_jax.sizing import size_ngram, size_tree, tree_name
 
+    chain, _ = size_ngram(target)  # measured on first use, then cached; may be plain
+    drafts = [("plain", None), (f"n-gram ({tree_name(chain)})", "ngram")]
+    if Path(a.draft).is_dir():
         heads = spec_jax.load_draft(a.draft)
         tree, _ = size_tree(target, heads)  # measured on first use, then cached
         drafts.append((f"{heads.method} ({tree_name(tree)})", heads))
@@ -88,7 +89,7 @@ def cmd_demo(a):
     for prompt in DEMO_PROMPTS:
         print(f"\n### {prompt}")
         for name, draft in drafts:
-            # tree="auto": heads get the tree sized for this machine (measured on first use)
+            # tree="auto": heads and n-gram get the tree sized for this machine (measured above)
             spec_jax.generate(target, prompt, max_new_tokens=8, draft=draft, tree="auto")  # compile
             r = spec_jax.generate(target, prompt, max_new_tokens=a.max_new_tokens, draft=draft,
                                   tree="auto")
@@ -246,7 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
                    choices=["auto", "scan", "unrolled", "packed", "packed_f32"],
                    help="the target's layout (load_target's layers=): packed_f32 streams float32 "
                         "weights even where exact uint8 codes would do")
-    b.add_argument("--drafts", nargs="*", default=["ngram"])
+    b.add_argument("--drafts", nargs="*", default=["ngram"],
+                   help="ngram or a heads directory, each optionally @TREE; @auto sizes it for "
+                        "this machine first (ngram@auto: its chain length, or plain decoding)")
     b.add_argument("--prompts", nargs="+", default=["../shared/data/eval/mt_bench/question.jsonl"])
     b.add_argument("--limit", type=int, default=10,
                    help="prompts per file, taken in turn from its categories")

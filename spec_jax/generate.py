@@ -43,7 +43,7 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1, attn_impl: str 
     """(drafter, draft params) from the `draft=` argument of generate; `attn_impl` is the draft
     model's attention (feature drafters).
 
-    For heads, `tree=None` takes the tree sized for this device, model, heads, batch (and
+    For heads and "ngram", `tree=None` takes the tree (the chain) sized for this device, model, heads, batch (and
     datastore) if one was (see `spec_jax.sizing`), else the method's default; `tree="auto"` sizes
     it now if it was not. Sampling (temperature > 0) has trees sized for its (temperature, top_p):
     `None` falls back to the greedy sizing, `"auto"` sizes for the setting. With a `datastore`
@@ -66,6 +66,18 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1, attn_impl: str 
     if datastore is not None:
         datastore.check_target(target)
     if isinstance(draft, str) and draft.startswith("ngram"):
+        if tree in (None, "auto") and datastore is None:  # sized for this device, as heads are
+            from spec_jax import sizing
+
+            chosen = sizing.cached_ngram(target, batch, temperature, top_p)
+            if chosen is None and tree is None and temperature > 0:
+                chosen = sizing.cached_ngram(target, batch)
+            if chosen is None and tree == "auto":
+                chosen, _ = sizing.size_ngram(target, batch=batch, temperature=temperature,
+                                              top_p=top_p)
+            if chosen == sizing.PLAIN:
+                return Drafter(), ()
+            tree = chosen
         drafter, dparams = NgramDrafter.from_tree(None if tree == "auto" else tree), ()
     elif isinstance(draft, DraftHeads):
         from spec_jax import sizing

@@ -672,6 +672,89 @@ def size_tree(target, heads, prompts=None, batch: int = 1,
     return winner["tree"], report
 
 
+NGRAM_CHAINS = (1, 2, 3, 4, 6, 8)  # chain lengths `size_ngram` weighs
+
+
+def ngram_key(target, batch: int, temperature: float = 0.0, top_p: float = 1.0) -> str:
+    """Cache key of the n-gram drafter's sizing: the target's parts, no heads."""
+    device, weights, layout, attn, b = _target_parts(target, batch)
+    return ("|".join((device, weights, "ngram", layout, attn, b))
+            + (f"|sampled-t{float(temperature):g}-p{float(top_p):g}" if temperature > 0 else ""))
+
+
+def cached_ngram(target, batch: int = 1, temperature: float = 0.0, top_p: float = 1.0):
+    """The cached n-gram choice here (PLAIN or a chain's paths), or None if never sized."""
+    entry = _cache().get(ngram_key(target, batch, temperature, top_p))
+    return None if not entry or not entry.get("measured") else pick_winner(entry["measured"])["tree"]
+
+
+def size_ngram(target, prompts=None, batch: int = 1, max_new_tokens: int = CALIBRATION_TOKENS,
+               use_cache: bool = True, progress: bool = True, temperature: float = 0.0,
+               top_p: float = 1.0):
+    """Choose (and cache) the n-gram (prompt lookup) drafter's chain length on this device and
+    batch size, or PLAIN where no chain pays: `size_tree` for a drafter without weights.
+
+    Plain decoding writes the calibration continuations; replaying the n-gram drafter along them
+    gives each chain length's tau (`chain_profile`), and tau / verify(length + 1) predicts its
+    speed. The best prediction (and a near-tie with a higher tau, `contenders`) then runs end to
+    end beside plain decoding, twice, and `pick_winner` decides. Why it is needed: a 6-token chain
+    ran 1.49x plain where the target streamed float32 weights and 0.95x where it streamed 1-byte
+    codes (verify at 7 tokens 1.1x one token there, 2x here). Returns (tree, report)."""
+    from spec_jax.tree import StaticTree
+
+    key = ngram_key(target, batch, temperature, top_p)
+    entry = _cache().get(key) if use_cache else None
+    if entry is not None and entry.get("measured"):
+        return pick_winner(entry["measured"])["tree"], entry
+    say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if progress else (lambda *a: None)
+    t_start = time.perf_counter()
+    texts = [getattr(p, "text", p) for p in (prompts or DEFAULT_PROMPTS)]
+    top_p = top_p if temperature > 0 else 1.0
+    say(f"sizing the n-gram chain on {jax.devices()[0].device_kind}, batch {batch} (once; cached "
+        f"in {cache_file()}) ...")
+    groups = [(texts[i:] + texts * batch)[:batch] for i in range(0, len(texts), batch)]
+    measure = lambda tree: _measure(target, groups, max_new_tokens, tree, "ngram",  # noqa: E731
+                                    None, temperature, top_p)
+    measured = [measure(PLAIN)]
+    seqs, plens = [], []
+    for rows, outs in zip(groups, measured[0].pop("outputs")):
+        for p, r in zip(rows, outs):
+            ids = target.encode(p) if isinstance(p, str) else list(p)
+            seqs.append(np.asarray(list(ids) + r.token_ids, np.int32))
+            plens.append(len(ids))
+    roots = [np.zeros((max(len(q) - p - 1, 0),)) for q, p in zip(seqs, plens)]
+    chain = chain_profile(seqs, plens, roots, max(NGRAM_CHAINS))
+    verify = verify_latency(target, sorted({1} | {g + 1 for g in NGRAM_CHAINS}), batch)
+    verify = shared_verify_latency(target, batch, verify)
+    verify = dict(zip(sorted(verify), np.maximum.accumulate([verify[t] for t in sorted(verify)])))
+    curve = []
+    for g in NGRAM_CHAINS:
+        tau = _replay([np.minimum(a, g) for a in chain])
+        curve.append({"size": g + 1, "ngram": g, "depth": g, "tau": tau,
+                      "step_seconds": verify[g + 1],
+                      "predicted_tokens_per_second": batch * tau / verify[g + 1],
+                      "paths": [list(p) for p in StaticTree.chain(g).paths]})
+    for c in contenders(curve):
+        measured.append(measure(c["paths"]))
+    for m in measured:  # a second round, as in `size_tree`
+        again = measure(m["tree"])
+        m["runs_tokens_per_second"] = [m["tokens_per_second"], again["tokens_per_second"]]
+        m["tokens_per_second"] = max(m["runs_tokens_per_second"])
+    for m in measured:
+        m.pop("outputs", None)
+        say(f"  {tree_name(m['tree'])}: tau {m['tau']:.2f}, {m['tokens_per_second']:.1f} tok/s "
+            f"(best of {', '.join(f'{x:.1f}' for x in m['runs_tokens_per_second'])})")
+    winner = pick_winner(measured)
+    report = {"tree": winner["tree"], "temperature": temperature, "top_p": top_p,
+              "profile_positions": int(sum(len(r) for r in roots)),
+              "verify_seconds": {str(k): v for k, v in verify.items()},
+              "plain_predicted_tokens_per_second": batch / verify[1], "curve": curve,
+              "measured": measured, "seconds": time.perf_counter() - t_start}
+    _store(key, report)
+    say(f"chose {tree_name(winner['tree'])} for n-gram drafting ({report['seconds']:.0f} s)")
+    return winner["tree"], report
+
+
 DS_MARGIN = 0.03  # the least relative lead that counts as a win, not noise (see pick_winner)
 
 
@@ -778,4 +861,6 @@ def tree_name(tree) -> str:
                 + (f"+ds:{tree['ds']}" if tree.get("ds") else ""))
     if isinstance(tree, dict):
         return "dynamic:{top_k},{depth},{total_tokens}".format(**tree)
+    if [list(p) for p in tree] == [[0] * d for d in range(1, len(tree) + 1)]:
+        return f"chain:{len(tree)}"
     return f"static {len(tree) + 1} nodes, depth {max(len(p) for p in tree)}"

@@ -414,3 +414,45 @@ def test_sizing_also_runs_the_dynamic_twin_of_medusa_trees(tiny_target, tmp_path
                and "top_k" in m["tree"]]
     assert static and dynamic, report["measured"]
     assert all(d["total_tokens"] == 4 for d in dynamic)
+
+
+@pytest.mark.parametrize("chain_speed", [50.0, 150.0])
+def test_the_ngram_chain_is_sized_per_target_and_plain_wins_where_no_chain_pays(
+        tiny_target, tmp_path, monkeypatch, chain_speed):
+    """`size_ngram` replays the n-gram drafter along plain decoding's own continuations, measures
+    plain decoding and the best predicted chain end to end, and caches the winner for this target;
+    draft="ngram" then uses it, falling back to plain decoding where no chain was faster."""
+    import spec_jax
+    from spec_jax import sizing
+
+    monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
+    real = sizing._measure
+
+    def measure(*a, **k):  # real runs (outputs, tau), stubbed speeds: plain 100 tok/s
+        m = real(*a, **k)
+        return {**m, "tokens_per_second": 100.0 if m["tree"] == sizing.PLAIN else chain_speed}
+
+    monkeypatch.setattr(sizing, "_measure", measure)
+    prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6, 7, 5, 6, 7]]
+    assert sizing.cached_ngram(tiny_target) is None
+    tree, report = sizing.size_ngram(tiny_target, prompts, max_new_tokens=12, progress=False)
+    assert [c["ngram"] for c in report["curve"]] == list(sizing.NGRAM_CHAINS)
+    assert report["measured"][0]["tree"] == sizing.PLAIN and len(report["measured"]) >= 2
+    chains = [m["tree"] for m in report["measured"][1:]]
+    assert all(sizing.tree_name(t).startswith("chain:") for t in chains)
+    assert tree == (sizing.PLAIN if chain_speed < 100 else chains[-1] if len(chains) == 1
+                    else sizing.pick_winner(report["measured"])["tree"])
+    assert sizing.cached_ngram(tiny_target) == tree
+    assert sizing.size_ngram(tiny_target, prompts, progress=False)[0] == tree  # from the cache
+    plain = spec_jax.generate(tiny_target, [1, 2, 3, 1, 2], 10, chat=False)
+    r = spec_jax.generate(tiny_target, [1, 2, 3, 1, 2], 10, chat=False, draft="ngram")
+    assert r.token_ids == plain.token_ids
+    steps = sum(r.stats["acceptance_histogram"])
+    assert (steps == len(plain.token_ids) - 1) if tree == sizing.PLAIN else steps >= 1
+    # the curve's tau is the replay of each chain length over the profile
+    seqs = [np.asarray(p + o.token_ids) for p, o in zip(prompts, [
+        spec_jax.generate(tiny_target, p, 12, chat=False) for p in prompts])]
+    roots = [np.zeros(len(s) - len(p) - 1) for s, p in zip(seqs, prompts)]
+    acc = sizing.chain_profile(seqs, [len(p) for p in prompts], roots, 8)
+    for c in report["curve"]:
+        assert c["tau"] == pytest.approx(sizing._replay([np.minimum(a, c["ngram"]) for a in acc]))
