@@ -21,11 +21,15 @@ matrix on every call, which was 281 of the 350 ms that a 127-token prompt's pref
 kernel runs 190-225 GFLOP/s from 8 to 4 096 rows, level with XLA's blocked GEMM on plain matrices.
 
 A matrix that is exactly a GGUF Q4_1 / Q8_0 dequantization (SmolLM2's: the project's checkpoint
-is converted from such a file) packs as uint8 codes with a float32 (d, m) per 32 rows and column
-(`pack_exact`): the kernel rebuilds each weight as d * q + m in registers, which is the float32
-weight to the bit, so products equal the float32 kernel's while 1.25 bytes a weight stream
-instead of 4 (SmolLM2's one-token pass 17.7 -> 6.6-7.4 ms; 8 tokens 19.9 -> 15.9-16.8, where
-the arithmetic, not the stream, sets the time).
+is converted from such a file) packs as uint8 codes with a float16 (d, m) per 32 rows and column
+(`pack_exact`), Q4_1's 4-bit codes two to a byte: the kernel rebuilds each weight as d * q + m in
+registers, which is the float32 weight to the bit, so products equal the float32 kernel's while
+0.625 bytes a weight stream (1.125 for Q8_0) instead of 4. SmolLM2's one-token pass: 17.7 ms with
+float32 panels, 6.6-7.4 with byte codes and float32 scales, 5.75-5.8 with 4-bit codes, float16
+scales and q/k/v and gate/up each joined into one call (`spec_jax.models.llama.pack_layers`); 8
+tokens ~16 ms with codes against 19.9, where the arithmetic, not the stream, sets the time. At one
+row the coded kernel is arithmetic-bound too (a 4-bit panel streams no faster than a byte panel:
+the widening, conversion and d * q + m cost more per weight than the bytes do).
 
 The kernel is built with g++ on first use (`cpu_build`); without a compiler, `available()` is
 False and callers keep XLA's dot: nothing is lost but the speed.

@@ -125,7 +125,8 @@ def load_target(path: str | Path, dtype: str | None = None, layers: str = "auto"
     `pallas_kernels.cpu_gemm`; a matrix that is exactly GGUF-dequantized, as SmolLM2's is, as
     uint8 codes and scales that reproduce it bit for bit), "packed_f32" (every matrix as float32
     panels: the same results, more bytes to read) or "auto" (packed on CPU when the kernel builds
-    and the weights are float32, else unrolled on CPU; scan elsewhere)."""
+    and the weights are float32, else unrolled on CPU; scan elsewhere). A packed layout with codes
+    is cached for the next load (`packed_cached`)."""
     from spec_jax.io import load_params, read_meta
 
     path = Path(path)
@@ -136,7 +137,10 @@ def load_target(path: str | Path, dtype: str | None = None, layers: str = "auto"
     if dtype is not None and dtype != cfg.dtype:
         params = jax.tree.map(lambda a: a.astype(jnp.dtype(dtype)), params)
         cfg = dataclasses.replace(cfg, dtype=dtype)
-    params = arrange_layers(params, cfg, layers)
+    if resolve_layers(cfg, layers) == "packed":
+        params = packed_cached(path, params, cfg)
+    else:
+        params = arrange_layers(params, cfg, layers)
     tokenizer = None
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         from transformers import AutoTokenizer
@@ -145,24 +149,130 @@ def load_target(path: str | Path, dtype: str | None = None, layers: str = "auto"
     return Target(cfg=cfg, params=params, tokenizer=tokenizer, path=path)
 
 
+def resolve_layers(cfg: ModelConfig, layers: str = "auto") -> str:
+    """The layout `layers` ("auto" included) stands for here: scan, unrolled, packed or
+    packed_f32."""
+    from pallas_kernels import cpu_gemm
+
+    if layers not in ("auto", "scan", "unrolled", "packed", "packed_f32"):
+        raise SpecJaxError(f"layers must be auto, scan, unrolled, packed or packed_f32, not "
+                            f"{layers!r}")
+    if layers != "auto":
+        return layers
+    if jax.default_backend() != "cpu":
+        return "scan"
+    return "packed" if cfg.dtype == "float32" and cpu_gemm.available() else "unrolled"
+
+
 def arrange_layers(params, cfg: ModelConfig, layers: str = "auto"):
     """Lay the target's parameters out for execution (see `load_target`'s `layers`)."""
     from pallas_kernels import cpu_gemm
     from spec_jax.models.llama import pack_layers, unstack_layers
 
-    if layers not in ("auto", "scan", "unrolled", "packed", "packed_f32"):
-        raise SpecJaxError(f"layers must be auto, scan, unrolled, packed or packed_f32, not "
-                            f"{layers!r}")
-    if layers == "auto":
-        if jax.default_backend() != "cpu":
-            return params
-        layers = "packed" if cfg.dtype == "float32" and cpu_gemm.available() else "unrolled"
+    layers = resolve_layers(cfg, layers)
+    if layers == "scan":
+        return params
     if layers in ("packed", "packed_f32"):
         if not cpu_gemm.available():
             raise SpecJaxError("layers='packed' needs the CPU packed-matmul kernel, which could not "
                                "be built here (it needs g++ and the CPU backend); use 'unrolled'")
         return pack_layers(params, exact=layers == "packed")
     return unstack_layers(params) if layers == "unrolled" else params
+
+
+PACKED_CACHE_VERSION = 1
+
+
+def _packed_cache_key(path: Path) -> str:
+    """What a target's packed layout depends on: its weight files (path, size, mtime), the packing
+    code (the sources of cpu_gemm.py and llama.py) and the kernel's panel width."""
+    import pallas_kernels.cpu_gemm as cpu_gemm
+    import spec_jax.models.llama as llama
+
+    files = sorted((str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns)
+                   for f in (path / "params").rglob("*") if f.is_file())
+    h = hashlib.sha256(json.dumps([PACKED_CACHE_VERSION, str(path.resolve()), files,
+                                   cpu_gemm.panel_width()]).encode())
+    for mod in (cpu_gemm, llama):
+        h.update(Path(mod.__file__).read_bytes())
+    return h.hexdigest()
+
+
+def packed_cached(path: Path, params, cfg: ModelConfig):
+    """`arrange_layers(params, cfg, "packed")`, read from a cache beside the other compiled things
+    ($SPEC_JAX_CACHE/packed/, one file per checkpoint folder) when the checkpoint, the packing code
+    and the kernel build are the ones it was written for. Only targets with exact weight codes
+    are cached (finding the codes is most of a load: 3.7 of 7.4 s for SmolLM2; their file is 98 MB
+    against 540 MB of float32 panels)."""
+    from pallas_kernels.cpu_gemm import PackedWeight, available
+    from spec_jax.convert.fetch import cache_dir
+
+    if not available():
+        return arrange_layers(params, cfg, "packed")  # says why it cannot
+    path = Path(path)
+    key = _packed_cache_key(path)
+    file = cache_dir() / "packed" / (hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
+                                     + ".npz")
+    if file.is_file():
+        try:
+            with np.load(file) as z:
+                if str(z["key"]) == key:
+                    return _from_arrays(params, {k: z[k] for k in z.files if k != "key"})
+        except (OSError, ValueError, KeyError):
+            pass  # unreadable or from another layout: packed afresh below
+    packed = arrange_layers(params, cfg, "packed")
+    if not any(getattr(w, "scales", None) is not None for w in packed["layers"][0].values()):
+        return packed
+    arrays = {"key": np.asarray(key)}
+    for i, lp in enumerate(packed["layers"]):
+        for name, w in lp.items():
+            if isinstance(w, PackedWeight):
+                arrays[f"layers/{i}/{name}/panels"] = np.asarray(w.panels)
+                if w.scales is not None:
+                    arrays[f"layers/{i}/{name}/scales"] = np.asarray(w.scales)
+    lm = packed.get("lm_head")
+    if isinstance(lm, PackedWeight):
+        arrays["lm_head/panels"] = np.asarray(lm.panels)
+        if lm.scales is not None:
+            arrays["lm_head/scales"] = np.asarray(lm.scales)
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".tmp{id(arrays)}.npz")
+        np.savez(tmp, **arrays)
+        tmp.replace(file)
+    except OSError:
+        pass  # a read-only cache only costs the next load its packing time
+    return packed
+
+
+def _from_arrays(params, arrays: dict):
+    """The packed params that `packed_cached` wrote as arrays, around the loaded (stacked)
+    `params`: embedding and norms come from them, packed matrices from the arrays."""
+    from pallas_kernels.cpu_gemm import PackedWeight
+    from spec_jax.models.llama import FUSED_KEYS
+
+    def weight(prefix):
+        s = arrays.get(prefix + "/scales")
+        return PackedWeight(jnp.asarray(arrays[prefix + "/panels"]),
+                            None if s is None else jnp.asarray(s))
+
+    stacked = params["layers"]
+    names: dict[int, list[str]] = {}
+    for k in arrays:
+        if k.startswith("layers/") and k.endswith("/panels"):
+            _, i, name, _ = k.split("/")
+            names.setdefault(int(i), []).append(name)
+    out_layers = []
+    for i in range(next(iter(stacked.values())).shape[0]):
+        covered = {c for name in names.get(i, ()) for c in FUSED_KEYS.get(name, (name,))}
+        lp = {k: v[i] for k, v in stacked.items() if k not in covered}
+        lp.update({name: weight(f"layers/{i}/{name}") for name in names.get(i, ())})
+        out_layers.append(lp)
+    out = {k: v for k, v in params.items() if k != "layers"}
+    out["layers"] = out_layers
+    if "lm_head/panels" in arrays:
+        out["lm_head"] = weight("lm_head")
+    return out
 
 
 def random_target(cfg: ModelConfig, seed: int = 0, scale: float = 0.02) -> Target:

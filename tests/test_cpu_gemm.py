@@ -168,22 +168,70 @@ def test_gguf_dequantized_matrices_pack_as_exact_uint8_codes(kind):
     assert cpu_gemm.pack_exact(w).scales is None and cpu_gemm.pack_exact(w).dtype == jnp.float32
 
 
-def test_a_gguf_quantized_target_decodes_the_same_from_codes_and_from_float32():
-    """SmolLM2 ships as a GGUF file; a target whose matrices are GGUF dequantizations packs them as
-    codes (`layers="packed"`), and decodes exactly as with float32 panels (`"packed_f32"`)."""
+def _gguf_target_params(seed=1):
+    """A tiny config and stacked params whose matrices are GGUF dequantizations (layers Q4_1,
+    embedding and LM head Q8_0), as SmolLM2's are."""
     from gguf import GGMLQuantizationType as Q
 
     from spec_jax.models.llama import PACKED_KEYS
-    from spec_jax.target import Target, arrange_layers
 
     cfg = tiny_config(vocab_size=96, hidden_size=64, intermediate_size=128, num_heads=4,
                       num_kv_heads=2, head_dim=16)
-    base = spec_jax.random_target(cfg, seed=1, scale=0.3).params
+    base = spec_jax.random_target(cfg, seed=seed, scale=0.3).params
     params = {**base, "embed": jnp.asarray(_gguf_blocks(np.asarray(base["embed"]).T, Q.Q8_0).T),
               "layers": {k: jnp.asarray(_gguf_blocks(v, Q.Q4_1)) if k in PACKED_KEYS else v
                          for k, v in base["layers"].items()}}
     if "lm_head" in base:  # untied: [H, V], blocks along H as for the embedding
         params["lm_head"] = jnp.asarray(_gguf_blocks(base["lm_head"], Q.Q8_0))
+    return cfg, params
+
+
+def test_packed_codes_are_cached_per_checkpoint_and_repacked_when_it_changes(tmp_path, monkeypatch):
+    """Finding a GGUF target's codes is most of its load time, so `load_target` keeps the packed
+    layout in $SPEC_JAX_CACHE and reads it back while the checkpoint files are unchanged."""
+    import json
+
+    from spec_jax import target as target_mod
+    from spec_jax.io import save_params
+
+    monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path / "cache"))
+    ckpt = tmp_path / "ckpt"
+
+    def write(seed):
+        cfg, params = _gguf_target_params(seed)
+        ckpt.mkdir(exist_ok=True)
+        save_params(ckpt / "params", params)
+        (ckpt / "spec_jax.json").write_text(json.dumps({"kind": "target", "config": cfg.to_dict()}))
+        return cfg, params
+
+    cfg, params = write(1)
+    ids = np.arange(3, 40) % 96
+    fresh = spec_jax.load_target(ckpt)
+    assert fresh.weight_codes and len(list((tmp_path / "cache" / "packed").glob("*.npz"))) == 1
+    real = target_mod.arrange_layers
+    monkeypatch.setattr(target_mod, "arrange_layers", lambda *a, **k: pytest.fail("not cached"))
+    cached = spec_jax.load_target(ckpt)
+    assert jax.tree.structure(cached.params) == jax.tree.structure(fresh.params)
+    for a, b in zip(jax.tree.leaves(cached.params), jax.tree.leaves(fresh.params)):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(cached.logits(ids), fresh.logits(ids))
+    monkeypatch.setattr(target_mod, "arrange_layers", real)
+
+    shutil.rmtree(ckpt / "params")
+    write(2)  # other weights in the same folder: packed afresh, never the stale layout
+    other = spec_jax.load_target(ckpt)
+    expect = target_mod.Target(cfg=cfg, params=real(_gguf_target_params(2)[1], cfg, "packed"))
+    np.testing.assert_array_equal(other.logits(ids), expect.logits(ids))
+    assert len(list((tmp_path / "cache" / "packed").glob("*.npz"))) == 1
+
+
+def test_a_gguf_quantized_target_decodes_the_same_from_codes_and_from_float32():
+    """SmolLM2 ships as a GGUF file; a target whose matrices are GGUF dequantizations packs them as
+    codes (`layers="packed"`), and decodes exactly as with float32 panels (`"packed_f32"`)."""
+    from spec_jax.target import Target, arrange_layers
+
+    cfg, params = _gguf_target_params()
     codes = Target(cfg=cfg, params=arrange_layers(params, cfg, "packed"))
     f32 = Target(cfg=cfg, params=arrange_layers(params, cfg, "packed_f32"))
     assert codes.weight_codes and not f32.weight_codes
