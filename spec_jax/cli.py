@@ -246,7 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--layers", default="auto",
                    choices=["auto", "scan", "unrolled", "packed", "packed_f32"],
                    help="the target's layout (load_target's layers=): packed_f32 streams float32 "
-                        "weights even where exact uint8 codes would do")
+                        "weights even where exact 4/8-bit codes would do")
     b.add_argument("--drafts", nargs="*", default=["ngram"],
                    help="ngram or a heads directory, each optionally @TREE; @auto sizes it for "
                         "this machine first (ngram@auto: its chain length, or plain decoding)")

@@ -562,19 +562,11 @@ def size_tree(target, heads, prompts=None, batch: int = 1,
                                     temperature, top_p)
     measured = [measure(PLAIN)]
     # plain decoding's outputs are the continuations (greedy or sampled) the profile runs along
-    seqs, plens = [], []
-    for rows, outs in zip(groups, measured[0].pop("outputs")):
-        for p, r in zip(rows, outs):
-            ids = target.encode(p) if isinstance(p, str) else list(p)
-            seqs.append(np.asarray(list(ids) + r.token_ids, np.int32))
-            plens.append(len(ids))
+    seqs, plens = _continuations(target, groups, measured[0].pop("outputs"))
     ranks = rank_profile(target, heads, seqs, plens, profile_depth(heads))
     trees = best_trees(ranks, sizes)
-    verify = verify_latency(target, sorted({1, 2, 4, 8, 16, 32, 64} & set(range(1, max(sizes) + 1))
-                                           | {max(sizes)}), batch)
-    verify = shared_verify_latency(target, batch, verify)
-    # a bigger tree never costs less: a noisy small-T reading must not make it look cheaper
-    verify = dict(zip(sorted(verify), np.maximum.accumulate([verify[t] for t in sorted(verify)])))
+    verify = _verify_curve(target, {1, 2, 4, 8, 16, 32, 64} & set(range(1, max(sizes) + 1))
+                           | {max(sizes)}, batch)
     depths = sorted({max(len(p) for p in t["paths"]) for t in trees})
     draft = {d: draft_latency(target, heads, StaticTree.chain(d), batch) for d in depths}
     # grafting adds the n-gram search and a deeper bookkeeping pass: measured once, at the most
@@ -650,17 +642,7 @@ def size_tree(target, heads, prompts=None, batch: int = 1,
                     and c["predicted_tokens_per_second"] > plain_pred):
                 dyn = {"top_k": c["top_k"], "depth": c["depth"], "total_tokens": size}
                 measured.append(measure(_choice(dyn, c, datastore)))
-    # A second round, right after the first and in the same order; each candidate keeps its faster
-    # run, so a burst of load on a shared machine during one run does not decide the choice.
-    for m in measured:
-        again = measure(m["tree"])
-        m["runs_tokens_per_second"] = [m["tokens_per_second"], again["tokens_per_second"]]
-        m["tokens_per_second"] = max(m["runs_tokens_per_second"])
-    for m in measured:
-        m.pop("outputs", None)
-        say(f"  {tree_name(m['tree'])}: tau {m['tau']:.2f}, {m['tokens_per_second']:.1f} tok/s "
-            f"(best of {', '.join(f'{x:.1f}' for x in m['runs_tokens_per_second'])})")
-    winner = pick_winner(measured)
+    winner = _second_round(measured, measure, say)
     report = {"tree": winner["tree"], "temperature": temperature, "top_p": top_p,
               "profile_positions": int(sum(len(r) for r in ranks)),
               "verify_seconds": {str(k): v for k, v in verify.items()},
@@ -670,6 +652,40 @@ def size_tree(target, heads, prompts=None, batch: int = 1,
     _store(key, report)
     say(f"chose {tree_name(winner['tree'])} ({report['seconds']:.0f} s)")
     return winner["tree"], report
+
+
+def _continuations(target, groups, outputs):
+    """(seqs, plens): each calibration prompt's ids followed by plain decoding's output for it."""
+    seqs, plens = [], []
+    for rows, outs in zip(groups, outputs):
+        for p, r in zip(rows, outs):
+            ids = target.encode(p) if isinstance(p, str) else list(p)
+            seqs.append(np.asarray(list(ids) + r.token_ids, np.int32))
+            plens.append(len(ids))
+    return seqs, plens
+
+
+def _verify_curve(target, sizes, batch: int) -> dict:
+    """Verify seconds per tree size, merged with the cached curve (`shared_verify_latency`) and made
+    non-decreasing: a bigger tree never costs less, and a noisy small-T reading must not make it
+    look cheaper."""
+    verify = shared_verify_latency(target, batch, verify_latency(target, sorted(sizes), batch))
+    return dict(zip(sorted(verify), np.maximum.accumulate([verify[t] for t in sorted(verify)])))
+
+
+def _second_round(measured: list[dict], measure, say) -> dict:
+    """Run every candidate again, right after the first round and in the same order; each keeps
+    its faster run, so a burst of load on a shared machine during one run does not decide the
+    choice. Returns the winner (`pick_winner`)."""
+    for m in measured:
+        again = measure(m["tree"])
+        m["runs_tokens_per_second"] = [m["tokens_per_second"], again["tokens_per_second"]]
+        m["tokens_per_second"] = max(m["runs_tokens_per_second"])
+    for m in measured:
+        m.pop("outputs", None)
+        say(f"  {tree_name(m['tree'])}: tau {m['tau']:.2f}, {m['tokens_per_second']:.1f} tok/s "
+            f"(best of {', '.join(f'{x:.1f}' for x in m['runs_tokens_per_second'])})")
+    return pick_winner(measured)
 
 
 NGRAM_CHAINS = (1, 2, 3, 4, 6, 8)  # chain lengths `size_ngram` weighs
@@ -716,17 +732,10 @@ def size_ngram(target, prompts=None, batch: int = 1, max_new_tokens: int = CALIB
     measure = lambda tree: _measure(target, groups, max_new_tokens, tree, "ngram",  # noqa: E731
                                     None, temperature, top_p)
     measured = [measure(PLAIN)]
-    seqs, plens = [], []
-    for rows, outs in zip(groups, measured[0].pop("outputs")):
-        for p, r in zip(rows, outs):
-            ids = target.encode(p) if isinstance(p, str) else list(p)
-            seqs.append(np.asarray(list(ids) + r.token_ids, np.int32))
-            plens.append(len(ids))
+    seqs, plens = _continuations(target, groups, measured[0].pop("outputs"))
     roots = [np.zeros((max(len(q) - p - 1, 0),)) for q, p in zip(seqs, plens)]
     chain = chain_profile(seqs, plens, roots, max(NGRAM_CHAINS))
-    verify = verify_latency(target, sorted({1} | {g + 1 for g in NGRAM_CHAINS}), batch)
-    verify = shared_verify_latency(target, batch, verify)
-    verify = dict(zip(sorted(verify), np.maximum.accumulate([verify[t] for t in sorted(verify)])))
+    verify = _verify_curve(target, {1} | {g + 1 for g in NGRAM_CHAINS}, batch)
     curve = []
     for g in NGRAM_CHAINS:
         tau = _replay([np.minimum(a, g) for a in chain])
@@ -736,15 +745,7 @@ def size_ngram(target, prompts=None, batch: int = 1, max_new_tokens: int = CALIB
                       "paths": [list(p) for p in StaticTree.chain(g).paths]})
     for c in contenders(curve):
         measured.append(measure(c["paths"]))
-    for m in measured:  # a second round, as in `size_tree`
-        again = measure(m["tree"])
-        m["runs_tokens_per_second"] = [m["tokens_per_second"], again["tokens_per_second"]]
-        m["tokens_per_second"] = max(m["runs_tokens_per_second"])
-    for m in measured:
-        m.pop("outputs", None)
-        say(f"  {tree_name(m['tree'])}: tau {m['tau']:.2f}, {m['tokens_per_second']:.1f} tok/s "
-            f"(best of {', '.join(f'{x:.1f}' for x in m['runs_tokens_per_second'])})")
-    winner = pick_winner(measured)
+    winner = _second_round(measured, measure, say)
     report = {"tree": winner["tree"], "temperature": temperature, "top_p": top_p,
               "profile_positions": int(sum(len(r) for r in roots)),
               "verify_seconds": {str(k): v for k, v in verify.items()},
