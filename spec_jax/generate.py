@@ -43,9 +43,9 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1, attn_impl: str 
     """(drafter, draft params) from the `draft=` argument of generate; `attn_impl` is the draft
     model's attention (feature drafters).
 
-    For heads and "ngram", `tree=None` takes the tree (the chain) sized for this device, model, heads, batch (and
-    datastore) if one was (see `spec_jax.sizing`), else the method's default; `tree="auto"` sizes
-    it now if it was not. Sampling (temperature > 0) has trees sized for its (temperature, top_p):
+    For heads and "ngram", `tree=None` takes the tree (the chain) sized for this device, model,
+    heads, batch (and datastore) if one was (see `spec_jax.sizing`), else the method's default;
+    `tree="auto"` sizes it now if it was not. Sampling (temperature > 0) has trees sized for its (temperature, top_p):
     `None` falls back to the greedy sizing, `"auto"` sizes for the setting. With a `datastore`
     (spec_jax.heads.datastore), its chain is grafted on: `+ds:N` tokens where the tree says, as
     sized for `auto`, else 8."""
