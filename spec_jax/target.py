@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -218,8 +219,8 @@ def packed_cached(path: Path, params, cfg: ModelConfig):
             with np.load(file) as z:
                 if str(z["key"]) == key:
                     return _from_arrays(params, {k: z[k] for k in z.files if k != "key"})
-        except (OSError, ValueError, KeyError):
-            pass  # unreadable or from another layout: packed afresh below
+        except Exception:  # noqa: BLE001 — unreadable (or from another layout): packed afresh below
+            pass
     packed = arrange_layers(params, cfg, "packed")
     if not any(getattr(w, "scales", None) is not None for w in packed["layers"][0].values()):
         return packed
@@ -235,13 +236,15 @@ def packed_cached(path: Path, params, cfg: ModelConfig):
         arrays["lm_head/panels"] = np.asarray(lm.panels)
         if lm.scales is not None:
             arrays["lm_head/scales"] = np.asarray(lm.scales)
+    tmp = file.with_suffix(f".tmp{os.getpid()}.npz")  # atomic: a reader never sees half a file
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(f".tmp{id(arrays)}.npz")
         np.savez(tmp, **arrays)
         tmp.replace(file)
     except OSError:
-        pass  # a read-only cache only costs the next load its packing time
+        pass  # a full or read-only cache only costs the next load its packing time
+    finally:
+        tmp.unlink(missing_ok=True)
     return packed
 
 
