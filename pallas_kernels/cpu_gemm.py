@@ -161,9 +161,9 @@ def pack_exact(w) -> PackedWeight:
 def concat(ws) -> PackedWeight | None:
     """Packed matrices [K, N_i] with the same K and storage as one [K, sum N_i] (their panels side
     by side, so each column's products are unchanged), or None where the storage differs."""
-    kinds = {(w.panels.dtype, w.panels.shape[1:], w.nibbles) for w in ws
-             if isinstance(w, PackedWeight)}
-    if len(kinds) != 1 or not all(isinstance(w, PackedWeight) for w in ws):
+    if not all(isinstance(w, PackedWeight) for w in ws):
+        return None
+    if len({(w.panels.dtype, w.panels.shape[1:], w.nibbles) for w in ws}) != 1:
         return None
     scales = None if ws[0].scales is None else jnp.concatenate([w.scales for w in ws])
     return PackedWeight(jnp.concatenate([w.panels for w in ws]), scales)

@@ -69,12 +69,10 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1, attn_impl: str 
         if tree in (None, "auto") and datastore is None:  # sized for this device, as heads are
             from spec_jax import sizing
 
-            chosen = sizing.cached_ngram(target, batch, temperature, top_p)
-            if chosen is None and tree is None and temperature > 0:
-                chosen = sizing.cached_ngram(target, batch)
-            if chosen is None and tree == "auto":
-                chosen, _ = sizing.size_ngram(target, batch=batch, temperature=temperature,
-                                              top_p=top_p)
+            chosen = sizing.sized_choice(
+                tree, temperature, top_p, lambda t, p: sizing.cached_ngram(target, batch, t, p),
+                lambda: sizing.size_ngram(target, batch=batch, temperature=temperature,
+                                          top_p=top_p)[0])
             if chosen == sizing.PLAIN:
                 return Drafter(), ()
             tree = chosen
@@ -85,12 +83,11 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1, attn_impl: str 
         draft.check_target(target)
         base, graft_n = split_graft(tree)
         if base in (None, "auto"):
-            chosen = sizing.cached_tree(target, draft, batch, datastore, temperature, top_p)
-            if chosen is None and base is None and temperature > 0:
-                chosen = sizing.cached_tree(target, draft, batch, datastore)
-            if chosen is None and base == "auto":
-                chosen, _ = sizing.size_tree(target, draft, batch=batch, datastore=datastore,
-                                             temperature=temperature, top_p=top_p)
+            chosen = sizing.sized_choice(
+                base, temperature, top_p,
+                lambda t, p: sizing.cached_tree(target, draft, batch, datastore, t, p),
+                lambda: sizing.size_tree(target, draft, batch=batch, datastore=datastore,
+                                         temperature=temperature, top_p=top_p)[0])
             chosen, sized_ds = split_datastore(chosen)
             if ds_n is None and chosen is not None:  # the sizing weighed the datastore: its call
                 ds_n = 0 if chosen == sizing.PLAIN else sized_ds

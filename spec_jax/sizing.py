@@ -135,6 +135,18 @@ def cached_tree(target, heads, batch: int = 1, datastore=None, temperature: floa
     return None if entry is None else entry["tree"]
 
 
+def sized_choice(tree, temperature: float, top_p: float, cached, size):
+    """What `tree` None or "auto" stands for: `cached(temperature, top_p)`, the choice sized for
+    this sampling setting; without a tree, a sampled setting never sized takes the greedy choice
+    (`cached(0.0, 1.0)`); with "auto", `size()` sizes it now if there is none. None otherwise."""
+    chosen = cached(temperature, top_p)
+    if chosen is None and tree is None and temperature > 0:
+        chosen = cached(0.0, 1.0)
+    if chosen is None and tree == "auto":
+        chosen = size()
+    return chosen
+
+
 def verify_key(target, batch: int) -> str:
     """Cache key of the target's verify-latency curve: it depends on the target, not the heads."""
     return "|".join(("verify",) + _target_parts(target, batch))
@@ -642,16 +654,11 @@ def size_tree(target, heads, prompts=None, batch: int = 1,
                     and c["predicted_tokens_per_second"] > plain_pred):
                 dyn = {"top_k": c["top_k"], "depth": c["depth"], "total_tokens": size}
                 measured.append(measure(_choice(dyn, c, datastore)))
-    winner = _second_round(measured, measure, say)
-    report = {"tree": winner["tree"], "temperature": temperature, "top_p": top_p,
-              "profile_positions": int(sum(len(r) for r in ranks)),
-              "verify_seconds": {str(k): v for k, v in verify.items()},
-              "draft_seconds": {str(k): v for k, v in draft.items()},
-              "plain_predicted_tokens_per_second": batch / verify[1], "curve": curve,
-              "measured": measured, "seconds": time.perf_counter() - t_start}
-    _store(key, report)
-    say(f"chose {tree_name(winner['tree'])} ({report['seconds']:.0f} s)")
-    return winner["tree"], report
+    return _decide(key, measured, measure, say, t_start, "", temperature=temperature,
+                   top_p=top_p, profile_positions=int(sum(len(r) for r in ranks)),
+                   verify_seconds={str(k): v for k, v in verify.items()},
+                   draft_seconds={str(k): v for k, v in draft.items()},
+                   plain_predicted_tokens_per_second=batch / verify[1], curve=curve)
 
 
 def _continuations(target, groups, outputs):
@@ -671,6 +678,18 @@ def _verify_curve(target, sizes, batch: int) -> dict:
     look cheaper."""
     verify = shared_verify_latency(target, batch, verify_latency(target, sorted(sizes), batch))
     return dict(zip(sorted(verify), np.maximum.accumulate([verify[t] for t in sorted(verify)])))
+
+
+def _decide(key: str, measured: list[dict], measure, say, t_start: float, what: str, **report):
+    """Run every candidate a second time (`_second_round`), pick the winner, and store and return
+    (its tree, the sizing report: `report`'s fields with the tree, the measurements and the
+    seconds the sizing took)."""
+    winner = _second_round(measured, measure, say)
+    report = {"tree": winner["tree"], **report, "measured": measured,
+              "seconds": time.perf_counter() - t_start}
+    _store(key, report)
+    say(f"chose {tree_name(winner['tree'])}{what} ({report['seconds']:.0f} s)")
+    return winner["tree"], report
 
 
 def _second_round(measured: list[dict], measure, say) -> dict:
@@ -745,15 +764,11 @@ def size_ngram(target, prompts=None, batch: int = 1, max_new_tokens: int = CALIB
                       "paths": [list(p) for p in StaticTree.chain(g).paths]})
     for c in contenders(curve):
         measured.append(measure(c["paths"]))
-    winner = _second_round(measured, measure, say)
-    report = {"tree": winner["tree"], "temperature": temperature, "top_p": top_p,
-              "profile_positions": int(sum(len(r) for r in roots)),
-              "verify_seconds": {str(k): v for k, v in verify.items()},
-              "plain_predicted_tokens_per_second": batch / verify[1], "curve": curve,
-              "measured": measured, "seconds": time.perf_counter() - t_start}
-    _store(key, report)
-    say(f"chose {tree_name(winner['tree'])} for n-gram drafting ({report['seconds']:.0f} s)")
-    return winner["tree"], report
+    return _decide(key, measured, measure, say, t_start, " for n-gram drafting",
+                   temperature=temperature, top_p=top_p,
+                   profile_positions=int(sum(len(r) for r in roots)),
+                   verify_seconds={str(k): v for k, v in verify.items()},
+                   plain_predicted_tokens_per_second=batch / verify[1], curve=curve)
 
 
 DS_MARGIN = 0.03  # the least relative lead that counts as a win, not noise (see pick_winner)

@@ -72,9 +72,7 @@ class Target:
     @property
     def weight_codes(self) -> bool:
         """True when packed layers stream uint8 codes with scales (`cpu_gemm.pack_exact`)."""
-        layers = self.params["layers"]
-        return (isinstance(layers, (list, tuple))
-                and any(getattr(w, "scales", None) is not None for w in layers[0].values()))
+        return _has_codes(self.params)
 
     def new_cache(self, batch: int, num_slots: int):
         """An empty KV cache laid out like the parameters: per-layer buffers for unrolled layers."""
@@ -181,6 +179,13 @@ def arrange_layers(params, cfg: ModelConfig, layers: str = "auto"):
     return unstack_layers(params) if layers == "unrolled" else params
 
 
+def _has_codes(params) -> bool:
+    """True when `params`' layers are packed and the first holds code panels with scales."""
+    layers = params["layers"]
+    return (isinstance(layers, (list, tuple))
+            and any(getattr(w, "scales", None) is not None for w in layers[0].values()))
+
+
 PACKED_CACHE_VERSION = 1
 
 
@@ -222,20 +227,16 @@ def packed_cached(path: Path, params, cfg: ModelConfig):
         except Exception:  # noqa: BLE001 — unreadable (or from another layout): packed afresh below
             pass
     packed = arrange_layers(params, cfg, "packed")
-    if not any(getattr(w, "scales", None) is not None for w in packed["layers"][0].values()):
+    if not _has_codes(packed):
         return packed
     arrays = {"key": np.asarray(key)}
-    for i, lp in enumerate(packed["layers"]):
-        for name, w in lp.items():
-            if isinstance(w, PackedWeight):
-                arrays[f"layers/{i}/{name}/panels"] = np.asarray(w.panels)
-                if w.scales is not None:
-                    arrays[f"layers/{i}/{name}/scales"] = np.asarray(w.scales)
-    lm = packed.get("lm_head")
-    if isinstance(lm, PackedWeight):
-        arrays["lm_head/panels"] = np.asarray(lm.panels)
-        if lm.scales is not None:
-            arrays["lm_head/scales"] = np.asarray(lm.scales)
+    named = [(f"layers/{i}/{name}", w) for i, lp in enumerate(packed["layers"])
+             for name, w in lp.items()] + [("lm_head", packed.get("lm_head"))]
+    for prefix, w in named:
+        if isinstance(w, PackedWeight):
+            arrays[prefix + "/panels"] = np.asarray(w.panels)
+            if w.scales is not None:
+                arrays[prefix + "/scales"] = np.asarray(w.scales)
     tmp = file.with_suffix(f".tmp{os.getpid()}.npz")  # atomic: a reader never sees half a file
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
