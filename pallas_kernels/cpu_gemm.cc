@@ -4,8 +4,8 @@
 // stream, so the weights are read once, sequentially, at memory bandwidth, whatever R is (the
 // row tiles reuse a panel from cache). XLA:CPU's own dot reads weights at ~24 GB/s for
 // one row but 13-17 GB/s for 2-8 rows, which made verifying a draft tree cost 1.4-1.9x a decode
-// step. Every output element is one fused multiply-add chain over k = 0..K-1, so a row's result
-// is bit-identical whatever R is and whichever rows share the call (decode and verify agree).
+// step. Every output element is computed by the same operations in the same order whatever R is
+// and whichever rows share the call, so a row's result is bit-identical (decode and verify agree).
 // The panel width P is the build's (`spec_jax_gemm_panel()`): 32 with AVX-512, 16 without.
 //
 // Work is split over chunks of panels, shared with XLA's intra-op pool (cpu_pool.h).
@@ -14,6 +14,7 @@
 #include <cstring>
 #include <memory>
 #include <type_traits>
+#include <vector>
 
 #include <immintrin.h>
 
@@ -59,10 +60,11 @@ inline vec load_w(const uint16_t* w) {
 
 // Or uint8 codes q with a float16 scale d and offset m per column and block of kBlock rows of K:
 // w = d * q + m. That is how GGUF's Q4_1 and Q8_0 blocks dequantize (a 16-bit d times an 8-bit q
-// is exact in float32, so the one rounding is the add's, and a fused multiply-add gives the same
-// bits), so a target converted from such a file multiplies by exactly the float32 weights it was
-// converted to (`cpu_gemm.pack_exact`) while streaming 1.125 bytes per weight instead of 4, or
-// 0.625 where every code fits 4 bits (Q4_1): then a panel row is kPanel / 2 bytes, byte j holding
+// is exact in float32, so the one rounding is the add's), so the codes hold exactly the float32
+// weights a target converted from such a file has (`cpu_gemm.pack_exact`) while streaming 1.125
+// bytes per weight instead of 4, or 0.625 where every code fits 4 bits (Q4_1): the kernel sums
+// x * q per block and applies d and m * sum(x) once per block (`tile`), so its products match the
+// float32 kernel's to rounding, not to the bit. A 4-bit panel row is kPanel / 2 bytes, byte j holding
 // column j in its low half and column j + kVec in its high half (`Nib`), so one load and
 // zero-extension gives both of the row's vectors (a mask and a shift apart).
 constexpr int64_t kBlock = 32;
@@ -106,12 +108,18 @@ inline void load_row(const Nib* w, vec* wv) {
   wv[1] = to_vec(high4(q));
 }
 
-// y[t, panel's columns] for TB rows: one fused multiply-add chain over k = 0..K-1 per element,
-// the same in every tile shape, so a row's result does not depend on R. `scales` ([K / kBlock, 2,
-// kPanel] float16: d, then m) is read for code panels only.
+// y[t, panel's columns] for TB rows, the same operations per row in every tile shape, so a row's
+// result does not depend on R. Float weights: one fused multiply-add chain over k = 0..K-1 per
+// element. Codes: per block of kBlock rows of K, the chain sum_k x[t, k] * q[k] in registers, then
+// y += d * that + m * xsum[t, block] (xsum: the block's sum of x, `block_sums`), so a weight costs
+// its conversion and the row's FMA instead of also the d * q + m one: a row of codes is
+// arithmetic-bound, not stream-bound (forty-fourth session: one row ~20% faster). `scales`
+// ([K / kBlock, 2, kPanel] float16: d, then m) and `xsum` ([TB][K / kBlock]) are read for code
+// panels only.
 template <int TB, typename W>
 inline void tile(const float* __restrict x, int64_t K, const W* __restrict panel,
-                 const uint16_t* __restrict scales, float* __restrict y, int64_t N) {
+                 const uint16_t* __restrict scales, const float* __restrict xsum,
+                 float* __restrict y, int64_t N) {
   constexpr bool kAffine = std::is_same_v<W, uint8_t> || std::is_same_v<W, Nib>;
   constexpr int NV = kNV;
   constexpr int kLine = 64 / sizeof(W);  // elements per cache line
@@ -122,16 +130,14 @@ inline void tile(const float* __restrict x, int64_t K, const W* __restrict panel
     for (int v = 0; v < NV; ++v) acc[t][v] = vec{};
   const W* w = panel;
   const int64_t span = kAffine ? kBlock : K;  // rows of K sharing one d and m
+  const int64_t blocks = K / kBlock;
   for (int64_t k0 = 0; k0 < K; k0 += span) {
-    vec dv[NV], mv[NV];
-    if constexpr (kAffine) {
-      const uint16_t* s = scales + (k0 / kBlock) * 2 * kPanel;
+    vec blk[TB][NV];
 #pragma GCC unroll 16
-      for (int v = 0; v < NV; ++v) {
-        dv[v] = load_s(s + v * kVec);
-        mv[v] = load_s(s + kPanel + v * kVec);
-      }
-    }
+    for (int t = 0; t < TB; ++t)
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) blk[t][v] = vec{};
+    vec(&sum)[TB][NV] = kAffine ? blk : acc;
     for (int64_t k = k0; k < k0 + span; ++k, w += kRow<W>) {
       if constexpr (kPrefetch > 0) {
 #pragma GCC unroll 4
@@ -139,15 +145,23 @@ inline void tile(const float* __restrict x, int64_t K, const W* __restrict panel
       }
       vec wv[NV];
       load_row(w, wv);
-      if constexpr (kAffine) {
-#pragma GCC unroll 16
-        for (int v = 0; v < NV; ++v) wv[v] = dv[v] * wv[v] + mv[v];
-      }
 #pragma GCC unroll 16
       for (int t = 0; t < TB; ++t) {
         const float xs = x[t * K + k];
 #pragma GCC unroll 16
-        for (int v = 0; v < NV; ++v) acc[t][v] += xs * wv[v];
+        for (int v = 0; v < NV; ++v) sum[t][v] += xs * wv[v];
+      }
+    }
+    if constexpr (kAffine) {
+      const uint16_t* s = scales + (k0 / kBlock) * 2 * kPanel;
+#pragma GCC unroll 16
+      for (int v = 0; v < NV; ++v) {
+        const vec dv = load_s(s + v * kVec), mv = load_s(s + kPanel + v * kVec);
+#pragma GCC unroll 16
+        for (int t = 0; t < TB; ++t) {
+          acc[t][v] += dv * blk[t][v];
+          acc[t][v] += mv * xsum[t * blocks + k0 / kBlock];
+        }
       }
     }
   }
@@ -160,10 +174,10 @@ inline void tile(const float* __restrict x, int64_t K, const W* __restrict panel
 // n (< kTop) rows against a whole panel, in one tile of n rows.
 template <typename W, int TB = kTop - 1>
 inline void rest(int n, const float* x, int64_t K, const W* panel, const uint16_t* scales,
-                 float* y, int64_t N) {
+                 const float* xsum, float* y, int64_t N) {
   if constexpr (TB > 0) {
-    if (n == TB) return tile<TB>(x, K, panel, scales, y, N);
-    rest<W, TB - 1>(n, x, K, panel, scales, y, N);
+    if (n == TB) return tile<TB>(x, K, panel, scales, xsum, y, N);
+    rest<W, TB - 1>(n, x, K, panel, scales, xsum, y, N);
   }
 }
 
@@ -172,8 +186,9 @@ inline void rest(int n, const float* x, int64_t K, const W* panel, const uint16_
 // stream past them.
 constexpr int64_t kRowBytes = 256 << 10;
 template <typename W>
-void panels(const float* x, int64_t R, int64_t K, const W* w, const uint16_t* scales, int64_t N,
-            float* y, int64_t p0, int64_t p1) {
+void panels(const float* x, int64_t R, int64_t K, const W* w, const uint16_t* scales,
+            const float* xsum, int64_t N, float* y, int64_t p0, int64_t p1) {
+  const int64_t blocks = K / kBlock;
   const int64_t block = std::max<int64_t>(kTop, kRowBytes / (K * 4) / kTop * kTop);
   for (int64_t r0 = 0; r0 < R; r0 += block) {
     const int64_t r1 = std::min(R, r0 + block);
@@ -182,9 +197,26 @@ void panels(const float* x, int64_t R, int64_t K, const W* w, const uint16_t* sc
       const uint16_t* ps = scales ? scales + p * (K / kBlock) * 2 * kPanel : nullptr;
       float* yp = y + p * kPanel;
       int64_t r = r0;
-      for (; r + kTop <= r1; r += kTop) tile<kTop>(x + r * K, K, panel, ps, yp + r * N, N);
-      if (r < r1) rest(static_cast<int>(r1 - r), x + r * K, K, panel, ps, yp + r * N, N);
+      const float* xs = xsum ? xsum + r * blocks : nullptr;
+      for (; r + kTop <= r1; r += kTop, xs += xs ? kTop * blocks : 0)
+        tile<kTop>(x + r * K, K, panel, ps, xs, yp + r * N, N);
+      if (r < r1) rest(static_cast<int>(r1 - r), x + r * K, K, panel, ps, xs, yp + r * N, N);
     }
+  }
+}
+
+// xsum[r, b] = sum of x[r, k] over block b's kBlock rows of K, in a fixed order (halves, then
+// halves of those): code panels add m * xsum once per block and column.
+void block_sums(const float* x, int64_t R, int64_t K, std::vector<float>& xsum) {
+  static_assert(kBlock == 32, "block_sums folds 32 values");
+  xsum.resize(R * (K / kBlock));
+  float* out = xsum.data();
+  for (int64_t i = 0; i < R * (K / kBlock); ++i, x += kBlock) {
+    float s[16];
+    for (int j = 0; j < 16; ++j) s[j] = x[j] + x[j + 16];
+    for (int h = 8; h > 0; h /= 2)
+      for (int j = 0; j < h; ++j) s[j] += s[j + h];
+    out[i] = s[0];
   }
 }
 
@@ -193,6 +225,7 @@ struct Job {
   const float* x;
   const W* w;
   const uint16_t* scales;  // code panels only
+  std::vector<float> xsum;  // code panels only: [R, K / kBlock] (`block_sums`)
   float* y;
   int64_t R, K, N, num_panels, chunk;
   spec_jax::Claims claims;  // one item per chunk of panels
@@ -200,7 +233,7 @@ struct Job {
   void drain() {
     claims.drain([this](int64_t c) {
       const int64_t p0 = c * chunk, p1 = std::min(num_panels, p0 + chunk);
-      panels(x, R, K, w, scales, N, y, p0, p1);
+      panels(x, R, K, w, scales, xsum.empty() ? nullptr : xsum.data(), N, y, p0, p1);
     });
   }
 };
@@ -224,6 +257,7 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const 
   job->K = xd[1];
   job->N = yd[1];
   job->num_panels = wd[0];
+  if (scales) block_sums(job->x, job->R, job->K, job->xsum);
   // About four chunks per thread: small enough to balance, large enough to stream.
   job->chunk = std::max<int64_t>(1, job->num_panels / (4 * spec_jax::pool_threads(pool)));
   job->claims.total = (job->num_panels + job->chunk - 1) / job->chunk;

@@ -22,14 +22,17 @@ kernel runs 190-225 GFLOP/s from 8 to 4 096 rows, level with XLA's blocked GEMM 
 
 A matrix that is exactly a GGUF Q4_1 / Q8_0 dequantization (SmolLM2's: the project's checkpoint
 is converted from such a file) packs as uint8 codes with a float16 (d, m) per 32 rows and column
-(`pack_exact`), Q4_1's 4-bit codes two to a byte: the kernel rebuilds each weight as d * q + m in
-registers, which is the float32 weight to the bit, so products equal the float32 kernel's while
-0.625 bytes a weight stream (1.125 for Q8_0) instead of 4. SmolLM2's one-token pass: 17.7 ms with
-float32 panels, 6.6-7.4 with byte codes and float32 scales, 5.75-5.8 with 4-bit codes, float16
-scales and q/k/v and gate/up each joined into one call (`spec_jax.models.llama.pack_layers`); 8
-tokens ~16 ms with codes against 19.9, where the arithmetic, not the stream, sets the time. At one
-row the coded kernel is arithmetic-bound too (a 4-bit panel streams no faster than a byte panel:
-the widening, conversion and d * q + m cost more per weight than the bytes do).
+(`pack_exact`), Q4_1's 4-bit codes two to a byte, so 0.625 bytes a weight stream (1.125 for Q8_0)
+instead of 4. The codes rebuild the float32 weights exactly (`unpack`), and the kernel computes
+sum_k x w = d * sum_k x q + m * sum_k x per block of 32 rows: a weight costs its conversion and
+the row's FMA, not also a d * q + m, and the products match the float32 kernel's to float32
+rounding (not to the bit), each row's still independent of the others. SmolLM2's one-token pass:
+17.7 ms with float32 panels, 6.6-7.4 with byte codes and float32 scales, 5.75-5.8 with 4-bit
+codes, float16 scales and q/k/v and gate/up each joined into one call
+(`spec_jax.models.llama.pack_layers`), 5.3 with the sums per block; 8 tokens ~15.4 ms with codes
+against 19.9, where the arithmetic, not the stream, sets the time. At one row the coded kernel is
+arithmetic-bound too (a 4-bit panel streams no faster than a byte panel: the widening and
+conversion cost more per weight than the bytes do).
 
 The kernel is built with g++ on first use (`cpu_build`); without a compiler, `available()` is
 False and callers keep XLA's dot: nothing is lost but the speed.
@@ -92,7 +95,7 @@ def unpack(w: PackedWeight) -> jax.Array:
     panels = w.panels
     if w.nibbles:
         panels = jnp.concatenate([panels & 15, panels >> 4], axis=-1)
-    if w.scales is not None:  # d * q + m: d * q is exact, so this is the kernel's weight to the bit
+    if w.scales is not None:  # d * q + m: d * q is exact, so this is the float32 weight to the bit
         s = jnp.repeat(w.scales.astype(jnp.float32), BLOCK, axis=1)  # [N/P, K, 2, P]
         panels = s[:, :, 0] * panels.astype(jnp.float32) + s[:, :, 1]
     p, k, c = panels.shape
@@ -143,7 +146,7 @@ def _affine_codes(w):
 def pack_exact(w) -> PackedWeight:
     """[K, N] float32 -> uint8 code panels with float16 scales where `affine_codes` finds the
     matrix's exact form (a GGUF-quantized checkpoint's matrices: 1.125 bytes a weight to stream
-    instead of 4, 0.625 when every code fits 4 bits, and the same products to the bit), else
+    instead of 4, 0.625 when every code fits 4 bits, products equal to float32 rounding), else
     float32 panels (`pack`)."""
     codes = affine_codes(w) if packable(w) else None
     if codes is None:

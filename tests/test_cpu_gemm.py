@@ -140,9 +140,9 @@ def _gguf_blocks(w, kind):
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 def test_gguf_dequantized_matrices_pack_as_exact_uint8_codes(kind):
     """A matrix that is a GGUF Q4_1 or Q8_0 dequantization packs as uint8 codes (Q4_1's two to a
-    byte) and float16 scales that give back its float32 weights to the bit, and the kernel's
-    products equal the float32 kernel's to the bit, for every row count; any other matrix keeps
-    float32 panels."""
+    byte) and float16 scales that give back its float32 weights to the bit; the kernel's products
+    (d * sum x q + m * sum x per block) match the float32 kernel's to float32 rounding and are
+    row-independent to the bit, for every tile; any other matrix keeps float32 panels."""
     from gguf import GGMLQuantizationType
 
     p = cpu_gemm.panel_width()
@@ -157,9 +157,12 @@ def test_gguf_dequantized_matrices_pack_as_exact_uint8_codes(kind):
     np.testing.assert_array_equal(np.asarray(cpu_gemm.unpack(codes)), w)
     plain = cpu_gemm.pack(w)
     mm = jax.jit(cpu_gemm.matmul)
-    for rows in (1, 2, 5, 8, 9, 70):
+    for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 70):
         x = jnp.asarray(rng.standard_normal((rows, 96)), jnp.float32)
-        np.testing.assert_array_equal(np.asarray(mm(x, codes)), np.asarray(mm(x, plain)))
+        y, ref = np.asarray(mm(x, codes)), np.asarray(mm(x, plain))
+        assert np.abs(y - ref).max() <= 2e-6 * np.abs(ref).max()
+        one_by_one = np.concatenate([np.asarray(mm(x[i:i + 1], codes)) for i in range(rows)])
+        np.testing.assert_array_equal(y, one_by_one)  # decode and verify agree
     np.testing.assert_allclose(np.asarray(mm(x, codes)), np.asarray(x) @ w, rtol=1e-4, atol=1e-4)
     g = jax.grad(lambda x: jnp.sum(jnp.sin(cpu_gemm.matmul(x, codes))))(x)
     np.testing.assert_allclose(np.asarray(g), np.asarray(jax.grad(
@@ -232,7 +235,8 @@ def test_packed_codes_are_cached_per_checkpoint_and_repacked_when_it_changes(tmp
 
 def test_a_gguf_quantized_target_decodes_the_same_from_codes_and_from_float32():
     """SmolLM2 ships as a GGUF file; a target whose matrices are GGUF dequantizations packs them as
-    codes (`layers="packed"`), and decodes exactly as with float32 panels (`"packed_f32"`)."""
+    codes (`layers="packed"`): the same logits as with float32 panels (`"packed_f32"`) to float32
+    rounding, and speculative decoding on codes gives exactly plain decoding's tokens on codes."""
     from spec_jax.target import Target, arrange_layers
 
     cfg, params = _gguf_target_params()
@@ -241,10 +245,9 @@ def test_a_gguf_quantized_target_decodes_the_same_from_codes_and_from_float32():
     assert codes.weight_codes and not f32.weight_codes
     assert codes.params["lm_head"].dtype == jnp.uint8
     ids = np.arange(3, 40) % 96
-    np.testing.assert_array_equal(codes.logits(ids), f32.logits(ids))
+    np.testing.assert_allclose(codes.logits(ids), f32.logits(ids), rtol=1e-4, atol=2e-4)
     prompt = [3, 17, 5, 3, 17, 5, 9]
-    plain = spec_jax.generate(f32, prompt, 40, stop_at_eos=False).token_ids
-    assert spec_jax.generate(codes, prompt, 40, stop_at_eos=False).token_ids == plain
+    plain = spec_jax.generate(codes, prompt, 40, stop_at_eos=False).token_ids
     heads = spec_jax.init_draft(codes, "eagle", seed=0, d2t=np.arange(0, 96, 3))
     assert heads.bind(codes)["lm_sub"].dtype == jnp.uint8  # the LM head's slice keeps its codes
     assert heads.bind(codes)["layer"]["wq"].dtype == jnp.bfloat16
