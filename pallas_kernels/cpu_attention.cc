@@ -7,20 +7,22 @@
 //
 // Why: XLA:CPU runs this as ~10 small ops per layer and reads every cache slot, written or not.
 // Here one call per layer reads only slots below each row's length, and each key row is scored
-// against up to 16 queries of its KV head at once (one per vector lane); their softmaxes run
-// lane-parallel too, and with AVX-512 several of them share each value row they sum (verifying 8
-// tokens: 1.5x the speed of one query at a time, docs/benchmarks.md). A prefill's long causal
-// block is scored only up to each item's last visible key and summed in the shared pass.
+// against up to 16 queries of its KV head at once (four vector lanes each, `score_rows`); their
+// softmaxes run lane-parallel (one lane each), and with AVX-512 several of them share each value
+// row they sum (verifying 8 tokens: 1.5x the speed of one query at a time, docs/benchmarks.md).
+// A prefill's long causal block is scored only up to each item's last visible key and summed in
+// the shared pass.
 //
 // A query's result depends only on the keys it sees, in order (valid cache slots, then visible
-// block keys): each score is one FMA chain over D, each key's weight lands in sum lane
-// rank % 16, values are added in rank order. So a token seen from the cache (plain decoding)
-// and from the block (verification) gives bit-identical outputs, whatever T is.
+// block keys): each score is four FMA chains over D in a fixed order, each key's weight lands in
+// sum lane rank % 16, values are added in rank order. So a token seen from the cache (plain
+// decoding) and from the block (verification) gives bit-identical outputs, whatever T is.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__)
@@ -82,33 +84,87 @@ inline v16 vexp(v16 x) {
   return x < lo ? v16{} : y;
 }
 
-// out[s][i] = scale * (k_s . q_i) for SB key rows and the query lanes of qt [D][16] (transposed
-// queries), V holding 8 or 16 lanes. Each lane is one FMA chain over d = 0..D-1, so a score is
-// the same whichever width computed it.
-template <typename V, int SB>
-inline void score_rows(const float* const* k, int64_t D, const float* qt, float scale,
+// Scores: out[s][r] = scale * (k_s . q_r) for key rows s and queries r < R (lanes r of a 16-lane
+// row; the others 0). Each dot product is four FMA chains, chain c over d = c, c + 4, c + 8, ...,
+// added as (c0 + c1) + (c2 + c3): a vector lane per (query, chain), so 4 queries fill 16 lanes and
+// one load broadcasts k_s[4i:4i+4] to all of them. The operations per (query, key) are the same
+// whichever queries share the pass and whatever the vector width, so a score's bits do not depend
+// on R; decoding (R = 3 for SmolLM2) runs a quarter of the FMAs a lane per query needed.
+// qt4 [D / 4][64]: qt4[i][4r + c] = q_r[4i + c].
+#if defined(__AVX512F__)
+typedef v16 SV;  // 4 queries a vector
+inline SV bcast4(const float* p) { return (SV)_mm512_broadcast_f32x4(_mm_loadu_ps(p)); }
+inline SV pair_sums(SV x) {  // every lane of query r: (c0 + c1) + (c2 + c3), commuted alike
+  x = x + (SV)_mm512_permute_ps((__m512)x, 0xB1);
+  return x + (SV)_mm512_permute_ps((__m512)x, 0x4E);
+}
+#else
+typedef v8 SV;  // 2 queries a vector
+inline SV bcast4(const float* p) { return (SV)_mm256_broadcast_ps((const __m128*)p); }
+inline SV pair_sums(SV x) {
+  x = x + (SV)_mm256_permute_ps((__m256)x, 0xB1);
+  return x + (SV)_mm256_permute_ps((__m256)x, 0x4E);
+}
+#endif
+constexpr int kQV = sizeof(SV) / sizeof(float) / 4;  // queries per vector
+
+template <int SB, int NQ>  // SB key rows, NQ vectors of queries
+inline void score_rows(const float* const* k, int64_t D, const float* qt4, float scale,
                        float* out) {
-  V acc[SB];
-  for (int s = 0; s < SB; ++s) acc[s] = V{};
-  for (int64_t d = 0; d < D; ++d) {
-    V qv;
-    std::memcpy(&qv, qt + d * kL, sizeof(V));
-    for (int s = 0; s < SB; ++s) acc[s] = fma(V{} + k[s][d], qv, acc[s]);
+  SV acc[SB][NQ];
+  for (int s = 0; s < SB; ++s)
+    for (int u = 0; u < NQ; ++u) acc[s][u] = SV{};
+  for (int64_t i = 0; i < D / 4; ++i) {
+    SV qv[NQ];
+    for (int u = 0; u < NQ; ++u) std::memcpy(&qv[u], qt4 + i * 4 * kL + u * 4 * kQV, sizeof(SV));
+    for (int s = 0; s < SB; ++s) {
+      const SV kb = bcast4(k[s] + 4 * i);
+      for (int u = 0; u < NQ; ++u) acc[s][u] = fma(kb, qv[u], acc[s][u]);
+    }
   }
   for (int s = 0; s < SB; ++s) {
-    const V x = acc[s] * scale;
-    std::memcpy(out + s * kL, &x, sizeof(V));
+#if defined(__AVX512F__)
+    const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12, 0, 4, 8, 12);
+    __m512 o = _mm512_setzero_ps();
+    for (int u = 0; u < NQ; ++u)  // query 4u + j from lane 4j to lane 4u + j
+      o = _mm512_mask_permutexvar_ps(o, static_cast<__mmask16>(0xF << (4 * u)), idx,
+                                     (__m512)(pair_sums(acc[s][u]) * scale));
+    store(out + s * kL, (v16)o);
+#else
+    float* o = out + s * kL;
+    std::fill(o, o + kL, 0.f);
+    for (int u = 0; u < NQ; ++u) {
+      const SV x = pair_sums(acc[s][u]) * scale;
+      o[2 * u] = x[0];
+      o[2 * u + 1] = x[4];
+    }
+#endif
   }
 }
 
-template <typename V>
-void score_all(const float* const* k, int64_t n, int64_t D, const float* qt, float scale,
-               float* out) {
+template <int NQ>
+void score_tiles(const float* const* k, int64_t n, int64_t D, const float* qt4, float scale,
+                 float* out) {
+  constexpr int SB = NQ == 1 ? 8 : NQ == 2 ? 4 : NQ <= 4 ? 2 : 1;  // SB * NQ accumulators
   int64_t s = 0;
-  for (; s + 8 <= n; s += 8) score_rows<V, 8>(k + s, D, qt, scale, out + s * kL);
-  if (s + 4 <= n) { score_rows<V, 4>(k + s, D, qt, scale, out + s * kL); s += 4; }
-  if (s + 2 <= n) { score_rows<V, 2>(k + s, D, qt, scale, out + s * kL); s += 2; }
-  if (s < n) score_rows<V, 1>(k + s, D, qt, scale, out + s * kL);
+  for (; s + SB <= n; s += SB) score_rows<SB, NQ>(k + s, D, qt4, scale, out + s * kL);
+  for (; s < n; ++s) score_rows<1, NQ>(k + s, D, qt4, scale, out + s * kL);
+}
+
+void score_all(const float* const* k, int64_t n, int64_t D, int64_t R, const float* qt4,
+               float scale, float* out) {
+  switch ((R + kQV - 1) / kQV) {
+    case 1: return score_tiles<1>(k, n, D, qt4, scale, out);
+    case 2: return score_tiles<2>(k, n, D, qt4, scale, out);
+    case 3: return score_tiles<3>(k, n, D, qt4, scale, out);
+    case 4: return score_tiles<4>(k, n, D, qt4, scale, out);
+#if !defined(__AVX512F__)
+    case 5: return score_tiles<5>(k, n, D, qt4, scale, out);
+    case 6: return score_tiles<6>(k, n, D, qt4, scale, out);
+    case 7: return score_tiles<7>(k, n, D, qt4, scale, out);
+    case 8: return score_tiles<8>(k, n, D, qt4, scale, out);
+#endif
+  }
 }
 
 // out[0:D] = sum_j p[j] * v[j][0:D], j in order, accumulated in registers (DV = D / lanes of V).
@@ -198,22 +254,39 @@ void weighted_group(const float* e, const float* const* v, int64_t nv, const std
   }
 }
 
+// weighted_group for the n (<= QB) lanes from r0.
+template <int DV, int QB, typename BlkRow>
+void weighted_upto(int n, const float* e, const float* const* v, int64_t nv,
+                   const std::vector<int64_t>& blk, BlkRow blk_row, int64_t nc, int64_t r0,
+                   float* acc) {
+  if constexpr (QB > 1) {
+    if (n < QB) return weighted_upto<DV, QB - 1>(n, e, v, nv, blk, blk_row, nc, r0, acc);
+  }
+  weighted_group<DV, QB>(e, v, nv, blk, blk_row, nc, r0, acc);
+}
+
 // `shared` (a long block, see AttnJob::item): v holds the nb block value rows after the cache's,
 // and e is zero where a lane may not see a block key.
 template <typename BlkRow>
 void weighted_lanes(const float* e, const float* const* v, int64_t nc, int64_t nb, bool shared,
                     const std::vector<int64_t>& blk, BlkRow blk_row, int64_t R, int64_t D, float* acc) {
 #if defined(__AVX512F__)
-  // 16 accumulators of 16 lanes: saturates both FMA ports, fits the 32 registers
-  auto groups = [&](auto run, int qb) { for (int64_t r0 = 0; r0 < R; r0 += qb) run(r0); };
+  // 16 accumulators of 16 lanes: saturates both FMA ports, fits the 32 registers. The last group
+  // takes only the lanes left (decoding SmolLM2: 3 queries, not a group of 4 with one idle).
   static const std::vector<int64_t> none;
   const int64_t nv = shared ? nc + nb : nc;
   const auto& rest = shared ? none : blk;
+  auto groups = [&](auto dv) {
+    constexpr int DV = decltype(dv)::value, QB = 16 / DV;
+    for (int64_t r0 = 0; r0 < R; r0 += QB)
+      weighted_upto<DV, QB>(static_cast<int>(std::min<int64_t>(QB, R - r0)), e, v, nv, rest,
+                            blk_row, nc, r0, acc);
+  };
   switch (D / kL) {
-    case 1: return groups([&](int64_t r0) { weighted_group<1, 16>(e, v, nv, rest, blk_row, nc, r0, acc); }, 16);
-    case 2: return groups([&](int64_t r0) { weighted_group<2, 8>(e, v, nv, rest, blk_row, nc, r0, acc); }, 8);
-    case 4: return groups([&](int64_t r0) { weighted_group<4, 4>(e, v, nv, rest, blk_row, nc, r0, acc); }, 4);
-    case 8: return groups([&](int64_t r0) { weighted_group<8, 2>(e, v, nv, rest, blk_row, nc, r0, acc); }, 2);
+    case 1: return groups(std::integral_constant<int, 1>{});
+    case 2: return groups(std::integral_constant<int, 2>{});
+    case 4: return groups(std::integral_constant<int, 4>{});
+    case 8: return groups(std::integral_constant<int, 8>{});
   }
 #endif
   // one lane at a time (its weights gathered in rank order), as `weighted_sum` lays them out
@@ -255,9 +328,9 @@ struct AttnJob {
     const int64_t nt = std::min(TC, T - t0), R = nt * G;
     const int64_t len = std::clamp<int64_t>(length[b], 0, S);
     std::fill(w.qt.begin(), w.qt.end(), 0.f);
-    for (int64_t r = 0; r < R; ++r) {
+    for (int64_t r = 0; r < R; ++r) {  // as score_rows takes them: [D / 4][query][4]
       const float* qr = q + ((b * T + t0 + r / G) * H + kvh * G + r % G) * D;
-      for (int64_t d = 0; d < D; ++d) w.qt[d * kL + r] = qr[d];
+      for (int64_t d = 0; d < D; ++d) w.qt[(d / 4) * 4 * kL + 4 * r + d % 4] = qr[d];
     }
     const float* kcb = kc + (b * KVH + kvh) * S * D;
     const float* vcb = vc + (b * KVH + kvh) * S * D;
@@ -284,17 +357,7 @@ struct AttnJob {
       }
     const int64_t nc = w.rows.size();
     for (int64_t n = 0; n < nb; ++n) w.rows.push_back(blk_row(kn, n));
-    // Half-width vectors do the same lanes' work at up to twice the rate. Without AVX-512 the
-    // upper 8 lanes take a second half-width pass: full-width tiles would not fit the registers.
-#if defined(__AVX512F__)
-    if (R > 8)
-      score_all<v16>(w.rows.data(), nc + nb, D, w.qt.data(), scale, w.sc.data());
-    else
-      score_all<v8>(w.rows.data(), nc + nb, D, w.qt.data(), scale, w.sc.data());
-#else
-    score_all<v8>(w.rows.data(), nc + nb, D, w.qt.data(), scale, w.sc.data());
-    if (R > 8) score_all<v8>(w.rows.data(), nc + nb, D, w.qt.data() + 8, scale, w.sc.data() + 8);
-#endif
+    score_all(w.rows.data(), nc + nb, D, R, w.qt.data(), scale, w.sc.data());
 
     // Softmax of all R queries at once, one per lane (sc holds [key][lane]): per lane the
     // same operations in the same order as one query alone, so bits do not depend on R.
