@@ -123,9 +123,9 @@ def load_target(path: str | Path, dtype: str | None = None, layers: str = "auto"
     faster decoding on CPU), "packed" (unrolled, float32 matrices in the CPU kernel's panel layout:
     `pallas_kernels.cpu_gemm`; a matrix that is exactly GGUF-dequantized, as SmolLM2's is, as
     uint8 codes and scales that reproduce it bit for bit), "packed_f32" (every matrix as float32
-    panels: the same results to float32 rounding, more bytes to read) or "auto" (packed on CPU when the kernel builds
-    and the weights are float32, else unrolled on CPU; scan elsewhere). A packed layout with codes
-    is cached for the next load (`packed_cached`)."""
+    panels: the same results to float32 rounding, more bytes to read) or "auto" (packed on CPU
+    when the kernel builds and the weights are float32, else unrolled on CPU; scan elsewhere). A
+    packed layout with codes is cached for the next load (`packed_cached`)."""
     from spec_jax.io import load_params, read_meta
 
     path = Path(path)

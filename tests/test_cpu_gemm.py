@@ -233,7 +233,7 @@ def test_packed_codes_are_cached_per_checkpoint_and_repacked_when_it_changes(tmp
     assert cached_file.stat().st_size > 1000
 
 
-def test_a_gguf_quantized_target_decodes_the_same_from_codes_and_from_float32():
+def test_a_gguf_quantized_target_matches_float32_from_codes_and_decodes_losslessly():
     """SmolLM2 ships as a GGUF file; a target whose matrices are GGUF dequantizations packs them as
     codes (`layers="packed"`): the same logits as with float32 panels (`"packed_f32"`) to float32
     rounding, and speculative decoding on codes gives exactly plain decoding's tokens on codes."""
