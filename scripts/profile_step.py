@@ -63,9 +63,10 @@ def main():
     ap.add_argument("--tree", default=None)
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--layers", default="auto", help="the target's layout (load_target's layers)")
     args = ap.parse_args()
 
-    target = spec_jax.load_target(args.model)
+    target = spec_jax.load_target(args.model, layers=args.layers)
     kw = {}
     if args.heads != "none":
         kw = {"draft": spec_jax.load_draft(args.heads), "tree": args.tree}

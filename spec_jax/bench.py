@@ -38,6 +38,7 @@ class Run:
     tree_tokens: int
     hist: tuple[int, ...] = ()  # acceptance histogram: steps that accepted 0, 1, 2, ... drafts
     same_as_plain: bool | None = None  # greedy: token for token equal to plain decoding's output
+    plain_steps: int = 0  # steps of one token, where the drafter fell back (heads.fallback)
 
 
 def summarize(runs: list[Run], verify_time: Callable[[int], float] | None = None,
@@ -46,7 +47,8 @@ def summarize(runs: list[Run], verify_time: Callable[[int], float] | None = None
 
     tau = sum(new_tokens - 1) / sum(steps) (the prefill's token is not a speculative step);
     tokens/s = sum(new_tokens) / sum(wall); speedup = tokens/s over the baseline's on the same
-    group; verify share = steps * verify_time(tree_tokens) / wall."""
+    group; verify share = (tree steps * verify_time(tree_tokens) + plain steps * verify_time(1))
+    / wall; plain-step share = plain steps / steps (`spec_jax.heads.fallback`)."""
     groups: dict[tuple, list[Run]] = {}
     for r in runs:
         groups.setdefault((r.method, r.prompt_set, "all"), []).append(r)
@@ -60,12 +62,14 @@ def summarize(runs: list[Run], verify_time: Callable[[int], float] | None = None
         row = {"method": method, "prompt_set": pset, "category": cat, "prompts": len(rs),
                "new_tokens": tok, "tau": (tok - len(rs)) / steps if steps else None,
                "tokens_per_second": tok / wall if wall else 0.0, "wall_seconds": wall,
-               "compile_seconds": sum(r.compile_s for r in rs), "tree_tokens": rs[0].tree_tokens}
+               "compile_seconds": sum(r.compile_s for r in rs), "tree_tokens": rs[0].tree_tokens,
+               "plain_step_share": sum(r.plain_steps for r in rs) / steps if steps else 0.0}
         checked = [r.same_as_plain for r in rs if r.same_as_plain is not None]
         if checked:
             row["equal_to_plain"] = f"{sum(checked)}/{len(checked)}"
         if verify_time is not None and wall > 0:
-            v = sum(r.steps * verify_time(r.tree_tokens) for r in rs)
+            v = sum((r.steps - r.plain_steps) * verify_time(r.tree_tokens)
+                    + r.plain_steps * verify_time(1) for r in rs)
             row["verify_share"] = min(v / wall, 1.0)
             row["draft_and_bookkeeping_share"] = max(1.0 - v / wall, 0.0)
         rows.append(row)
@@ -79,8 +83,8 @@ def summarize(runs: list[Run], verify_time: Callable[[int], float] | None = None
 
 
 def markdown(rows) -> str:
-    head = ("| set | category | method | tree | τ | tok/s | speedup | verify share | = plain |\n"
-            "|---|---|---|---|---|---|---|---|---|")
+    head = ("| set | category | method | tree | τ | tok/s | speedup | verify share | plain steps "
+            "| = plain |\n|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         sp = f"{r['speedup']:.2f}×" if r.get("speedup") else "–"
@@ -88,7 +92,7 @@ def markdown(rows) -> str:
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "–"
         lines.append(f"| {r['prompt_set']} | {r['category']} | {r['method']} | {r['tree_tokens']} | "
                      f"{tau} | {r['tokens_per_second']:.1f} | {sp} | {vs} | "
-                     f"{r.get('equal_to_plain', '–')} |")
+                     f"{r.get('plain_step_share', 0.0):.0%} | {r.get('equal_to_plain', '–')} |")
     return "\n".join(lines)
 
 
@@ -96,7 +100,8 @@ def run_bench(target, drafts: dict[str, tuple[Any, Any]], prompt_sets: dict[str,
               max_new_tokens: int, progress=True, datastore=None, temperature: float = 0.0,
               top_p: float = 1.0, seed: int = 0,
               on_run: Callable[[Run], None] | None = None) -> list[Run]:
-    """drafts: name -> (draft, tree); prompt_sets: name -> [Prompt]. Interleaved by prompt.
+    """drafts: name -> (draft, tree) or (draft, tree, fallback) (`generate`'s fallback, else its
+    default); prompt_sets: name -> [Prompt]. Interleaved by prompt.
     `datastore` serves the drafts whose tree has +ds:N. Greedy, or sampled at (temperature,
     top_p) with seed `seed + i` for the i-th prompt, the same for every method. Greedy runs
     record whether each output equals plain decoding's ("plain" must come first in `drafts`).
@@ -107,17 +112,18 @@ def run_bench(target, drafts: dict[str, tuple[Any, Any]], prompt_sets: dict[str,
 
     from spec_jax.generate import resolve_drafter
 
-    for draft, tree in drafts.values():  # a tree that cannot be drafted fails now, not minutes in
+    for draft, tree, *_ in drafts.values():  # a tree that cannot be drafted fails now, not later
         resolve_drafter(target, draft, tree, datastore=datastore if uses_datastore(tree) else None,
                         temperature=temperature, top_p=top_p)
     runs = []
     items = [(s, p) for s, ps in prompt_sets.items() for p in ps]
     for i, (pset, p) in enumerate(tqdm(items, disable=not progress, desc="bench")):
         plain_ids = None
-        for name, (draft, tree) in drafts.items():
+        for name, (draft, tree, *fb) in drafts.items():
             kw = {"draft": draft, "tree": tree,
                   "datastore": datastore if uses_datastore(tree) else None,
-                  "temperature": temperature, "top_p": top_p, "seed": seed + i}
+                  "temperature": temperature, "top_p": top_p, "seed": seed + i,
+                  **({"fallback": fb[0]} if fb else {})}
             r = spec_jax.generate(target, p.text, max_new_tokens, **kw)
             if r.stats["compile_seconds"] > 0:  # first use of this shape: run again, compiled
                 c = r.stats["compile_seconds"]
@@ -133,7 +139,8 @@ def run_bench(target, drafts: dict[str, tuple[Any, Any]], prompt_sets: dict[str,
                             new_tokens=s["new_tokens"], steps=sum(s["acceptance_histogram"]),
                             wall=s["wall_seconds"], compile_s=s["compile_seconds"],
                             tree_tokens=s["tree_tokens"],
-                            hist=tuple(s["acceptance_histogram"]), same_as_plain=same))
+                            hist=tuple(s["acceptance_histogram"]), same_as_plain=same,
+                            plain_steps=s.get("plain_steps", 0)))
             if on_run is not None:
                 on_run(runs[-1])
     return runs
@@ -234,6 +241,18 @@ def calibration_prompts(prompts: list, measured: list, n: int = CALIBRATION_PROM
     return spread(rest, n)
 
 
+def add_auto_rows(drafts: dict, label: str, draft, tree, report: dict, mode: str = "on") -> None:
+    """The rows of a sized choice: with the plain-step fallback at the sizing's measured
+    break-even (labelled "+plain<B") for mode "on", without it for "off", both for "both"."""
+    from spec_jax.sizing import break_even
+
+    point = break_even(report["measured"])
+    if mode in ("on", "both") and point:
+        drafts[f"{label}+plain<{point[0]:.2f}"] = (draft, tree, point)
+    if mode in ("off", "both") or not point:
+        drafts[label] = (draft, tree, False)
+
+
 def bench_cli(a):
     """`spec-jax bench`: one interleaved run of plain decoding, drafters and transformers peers."""
     import jax
@@ -264,8 +283,11 @@ def bench_cli(a):
                 fresh = bool(a.calibrate or a.calibrate_on)
                 chosen, report = size_ngram(target, calib, use_cache=not fresh, **sampling)
                 (out / "sizing_ngram.json").write_text(json.dumps(report, indent=1))
-                drafts[f"ngram@auto({tree_name(chosen)})"] = ((None, None) if chosen == PLAIN
-                                                              else ("ngram", chosen))
+                if chosen == PLAIN:
+                    drafts[f"ngram@auto({tree_name(chosen)})"] = (None, None)
+                else:
+                    add_auto_rows(drafts, f"ngram@auto({tree_name(chosen)})", "ngram", chosen,
+                                  report, a.fallback)
             else:
                 drafts[spec] = ("ngram", tree or None)
             continue
@@ -285,6 +307,9 @@ def bench_cli(a):
                 label = f"{heads.method}@auto({tree_name(chosen)})" + (f"+ds:{ds_n}" if ds_n else "")
                 if not ds_n:
                     tree = chosen if chosen != PLAIN else "plain"
+                    if tree != "plain":
+                        add_auto_rows(drafts, label, heads, tree, report, a.fallback)
+                        continue
         drafts[label] = (None, None) if tree == "plain" else (heads, tree or None)
     log = out / "runs.jsonl"
     log.write_text("")

@@ -56,7 +56,8 @@ def cmd_generate(a):
     ds = spec_jax.load_datastore(a.datastore) if a.datastore else None
     r = spec_jax.generate(target, a.prompt, max_new_tokens=a.max_new_tokens,
                           temperature=a.temperature, top_p=a.top_p, seed=a.seed, chat=not a.no_chat,
-                          draft=draft, tree=a.tree, attn_impl=a.attn_impl, datastore=ds)
+                          draft=draft, tree=a.tree, attn_impl=a.attn_impl, datastore=ds,
+                          fallback=not a.no_fallback)
     if a.json:
         print(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": r.stats}))
     else:
@@ -96,8 +97,9 @@ def cmd_demo(a):
             s = r.stats
             if name == "plain":
                 print(r.text.strip())
+            plain = f", {s['plain_steps']} plain steps" if s.get("plain_steps") else ""
             print(f"  {name:<28} {s['tokens_per_second']:6.1f} tok/s  "
-                  f"{s['mean_accepted']:.2f} tokens/call  ({s['new_tokens']} tokens)")
+                  f"{s['mean_accepted']:.2f} tokens/call  ({s['new_tokens']} tokens{plain})")
 
 
 def cmd_distill(a):
@@ -173,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--attn-impl", default="auto", choices=["auto", "xla", "cpu", "pallas", "pallas_interpret"])
+    g.add_argument("--no-fallback", action="store_true",
+                   help="with a sized tree, speculate every step (by default a request takes plain "
+                        "steps while its trees accept fewer tokens than they cost)")
     g.add_argument("--json", action="store_true")
     g.set_defaults(fn=cmd_generate)
 
@@ -269,6 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="size trees on 8 prompts of this file (spread over its categories, none "
                         "that the bench measures) instead of the built-in calibration prompts; "
                         "implies --calibrate; the choice is cached for tree='auto' as any sizing is")
+    b.add_argument("--fallback", choices=("on", "off", "both"), default="on",
+                   help="sized (@auto) drafters: with plain steps where their trees do not pay "
+                        "(as generate runs them), without, or both as separate rows")
     b.add_argument("--no-peers", dest="peers", action="store_false",
                    help="skip transformers' generate (greedy and prompt lookup) in the run")
     b.set_defaults(fn=cmd_bench)

@@ -39,7 +39,8 @@ def _bucket(n: int, step: int) -> int:
 
 
 def resolve_drafter(target: Target, draft, tree, batch: int = 1, attn_impl: str = "auto",
-                    datastore=None, temperature: float = 0.0, top_p: float = 1.0) -> tuple[Drafter, Any]:
+                    datastore=None, temperature: float = 0.0, top_p: float = 1.0,
+                    fallback: bool | float | tuple = True) -> tuple[Drafter, Any]:
     """(drafter, draft params) from the `draft=` argument of generate; `attn_impl` is the draft
     model's attention (feature drafters).
 
@@ -48,7 +49,33 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1, attn_impl: str 
     `tree="auto"` sizes it now if it was not. Sampling (temperature > 0) has trees sized for its (temperature, top_p):
     `None` falls back to the greedy sizing, `"auto"` sizes for the setting. With a `datastore`
     (spec_jax.heads.datastore), its chain is grafted on: `+ds:N` tokens where the tree says, as
-    sized for `auto`, else 8."""
+    sized for `auto`, else 8. `fallback` (see `generate`) may wrap the result in a
+    `spec_jax.heads.fallback.FallbackDrafter`."""
+    drafter, dparams = _resolve(target, draft, tree, batch, attn_impl, datastore, temperature,
+                                top_p)
+    if type(drafter) is Drafter or fallback is False:
+        return drafter, dparams
+    from spec_jax.heads.fallback import FallbackDrafter
+
+    if fallback is True:
+        from spec_jax import sizing
+        from spec_jax.heads.graft import split_datastore, split_graft
+
+        if split_graft(split_datastore(tree_object(tree))[0])[0] not in (None, "auto"):
+            return drafter, dparams  # a tree the caller chose: as given
+
+        heads = "ngram" if isinstance(draft, str) else draft
+        point = sizing.cached_break_even(target, heads, batch, datastore, temperature, top_p)
+    elif isinstance(fallback, (tuple, list)):  # (break-even, prior), as `sizing.break_even`
+        point = tuple(float(x) for x in fallback)
+    else:  # a break-even the caller names; the prior sits a quarter above it
+        point = (float(fallback), 1.25 * float(fallback))
+    if point is None or point[0] <= 0:
+        return drafter, dparams
+    return FallbackDrafter(inner=drafter, plain_below=point[0], prior=max(point)), dparams
+
+
+def _resolve(target, draft, tree, batch, attn_impl, datastore, temperature, top_p):
     from spec_jax.heads.graft import split_datastore, split_graft, with_datastore, with_graft
     from spec_jax.heads.ngram import NgramDrafter
     from spec_jax.heads.registry import DraftHeads
@@ -114,7 +141,7 @@ def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
              draft=None, tree=None, attn_impl: str = "auto", stop_at_eos: bool = True,
              accept_rule: str = "exact", precision: str | None = None,
-             datastore=None) -> GenerationResult:
+             datastore=None, fallback: bool | float | tuple = True) -> GenerationResult:
     """Generate up to max_new_tokens after `prompt` (a string, or a list of token ids).
 
     draft: None (plain decoding), "ngram", or heads from `init_draft`/`load_draft`.
@@ -132,11 +159,17 @@ def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 
     precision: matmul precision of the compiled loop; None is "highest" for float32 targets (on
     GPUs the default TF32 made speculative output drift from plain decoding) and the backend's
     default otherwise; "default" trades that exactness for TF32 speed.
+    fallback: with a sized tree (tree None or "auto"), True takes plain steps for a row while its
+    recent tree steps accept fewer tokens than the sizing's break-even (and probes with a tree
+    step now and then), so speculation does not run much slower than plain decoding where the
+    drafter guesses badly (`spec_jax.heads.fallback`); False never does; a number is the
+    break-even (tokens per tree step) for any tree, a pair (break-even, expected tokens per tree
+    step) both.
     """
     batch = generate_batch(target, [prompt], max_new_tokens, temperature=temperature, top_p=top_p,
                            seed=[seed], chat=chat, draft=draft, tree=tree, attn_impl=attn_impl,
                            stop_at_eos=stop_at_eos, accept_rule=accept_rule, precision=precision,
-                           datastore=datastore)
+                           datastore=datastore, fallback=fallback)
     return batch[0]
 
 
@@ -209,7 +242,8 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int | Sequ
                    temperature: float | Sequence[float] = 0.0, top_p: float | Sequence[float] = 1.0,
                    seed: int | Sequence[int] = 0, chat: bool = True, draft=None, tree=None,
                    attn_impl: str = "auto", stop_at_eos: bool = True, accept_rule: str = "exact",
-                   precision: str | None = None, datastore=None) -> list[GenerationResult]:
+                   precision: str | None = None, datastore=None,
+                   fallback: bool | float | tuple = True) -> list[GenerationResult]:
     """Like `generate` for several prompts at once (one batch, per-row lengths and acceptance).
 
     max_new_tokens, temperature, top_p and seed: one value for every prompt, or one per prompt
@@ -229,7 +263,7 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int | Sequ
     p_pad = _bucket(p_len, PROMPT_STEP)
     size_t, size_p = sizing_setting(temps, top_ps)
     drafter, dparams = resolve_drafter(target, draft, tree, b, attn_impl, datastore,
-                                       temperature=size_t, top_p=size_p)
+                                       temperature=size_t, top_p=size_p, fallback=fallback)
     # the loop stops each row at its own limit (an input); the static output length is bucketed,
     # so calls that differ only in max_new_tokens share a compiled loop
     out_len = _bucket(max_new, 32)
@@ -278,6 +312,7 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int | Sequ
     wall = time.perf_counter() - t0
     out, n_out, finish, hist = map(np.asarray, (final.out, final.n_out, final.finish, final.hist))
     calls = int(final.calls)
+    plain = np.asarray(final.fb.plain) if final.fb is not None else np.zeros((b,), np.int64)
     results = []
     for i in range(b):
         toks = out[i, :n_out[i]].tolist()
@@ -295,6 +330,7 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int | Sequ
             "method": drafter.method,
             "tree_tokens": drafter.tree_size,
             "batch_steps": calls,
+            "plain_steps": int(plain[i]),  # target calls of one token where trees did not pay
         }
         results.append(GenerationResult(token_ids=toks, text=target.decode(toks), stats=stats))
     return results

@@ -147,6 +147,33 @@ def sized_choice(tree, temperature: float, top_p: float, cached, size):
     return chosen
 
 
+def break_even(measured: list[dict]) -> tuple[float, float] | None:
+    """(tokens a tree step of the chosen candidate must accept to match a plain step, the tokens
+    it accepted) from their end-to-end measurements: tau / tokens/s of the choice over
+    1 / tokens/s of plain decoding, and tau. `FallbackDrafter`'s plain_below and prior. None when
+    plain decoding was chosen or not measured."""
+    plain = [m for m in measured if m["tree"] == PLAIN]
+    chosen = pick_winner(measured)
+    if not plain or chosen["tree"] == PLAIN or chosen["tokens_per_second"] <= 0:
+        return None
+    return (chosen["tau"] * plain[0]["tokens_per_second"] / chosen["tokens_per_second"],
+            chosen["tau"])
+
+
+def cached_break_even(target, heads, batch: int = 1, datastore=None, temperature: float = 0.0,
+                      top_p: float = 1.0) -> tuple[float, float] | None:
+    """`break_even` of the cached sizing for these heads ("ngram": the n-gram chain's) here, for
+    this sampling setting or else the greedy one (as `sized_choice` falls back); None if none."""
+    for t, p in ((temperature, top_p), (0.0, 1.0)):
+        if heads == "ngram":
+            entry = _cache().get(ngram_key(target, batch, t, p))
+        else:
+            entry = _entry(target, heads, batch, datastore, t, p)
+        if entry and entry.get("measured"):
+            return break_even(entry["measured"])
+    return None
+
+
 def verify_key(target, batch: int) -> str:
     """Cache key of the target's verify-latency curve: it depends on the target, not the heads."""
     return "|".join(("verify",) + _target_parts(target, batch))

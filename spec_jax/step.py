@@ -21,6 +21,7 @@ from spec_jax.cache import KVCache, commit
 from spec_jax.config import ModelConfig
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
+from spec_jax.heads.fallback import FallbackDrafter
 from spec_jax.models.llama import causal_mask, forward, lm_head
 from spec_jax.verify import sample_token, split_rows, verify
 
@@ -68,6 +69,7 @@ class LoopState:
     calls: jax.Array  # [] target forward passes after prefill
     hist: jax.Array  # [B, D + 1] accepted draft tokens per step (histogram)
     key: jax.Array  # [B, 2] each row's own random key
+    fb: Any = None  # a FallbackDrafter's FallbackState (plain steps where trees do not pay)
 
 
 def _emit(state_out, n_out, finish, new, count, eos_ids, max_new, active):
@@ -123,9 +125,11 @@ def prefill(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatur
                                jnp.ones((b,), bool))
     finish = jnp.where((finish == FINISH_RUNNING) & (cache.length + t_size > n_slots),
                        FINISH_LENGTH, finish)
+    fb = (drafter.init_fallback(cfg, b, fwd.hidden.dtype) if isinstance(drafter, FallbackDrafter)
+          else None)
     return LoopState(cache=cache, dstate=dstate, root=first, out=out, n_out=n_out, finish=finish,
                      calls=jnp.zeros((), jnp.int32), hist=jnp.zeros((b, depth + 1), jnp.int32),
-                     key=key)
+                     key=key, fb=fb)
 
 
 def decode(params, dparams, state: LoopState, temperature, top_p, row_max_new, *,
@@ -142,24 +146,67 @@ def decode(params, dparams, state: LoopState, temperature, top_p, row_max_new, *
     def cond(s: LoopState):
         return jnp.any(s.finish == FINISH_RUNNING)
 
-    def body(s: LoopState):
-        key, kd, kv = split_rows(s.key, 3)
-        active = s.finish == FINISH_RUNNING
+    fallback = isinstance(drafter, FallbackDrafter)
+
+    def score_tree(s: LoopState, dstate, kd, kv):
+        """Draft a tree, score it, verify it: (tree, drafter state, forward outputs, verdict)."""
         with jax.named_scope("draft"):
-            tree, dstate = drafter.propose(dparams, params, cfg, s.dstate, s.root, kd)
-        root_pos = s.cache.length
-        positions = root_pos[:, None] + tree.depth
+            tree, dstate = drafter.propose(dparams, params, cfg, dstate, s.root, kd)
         with jax.named_scope("target"):
-            fwd = forward(params, cfg, tree.tokens, positions, s.cache, tree.mask,
-                          aux_layers=drafter.aux_layers, attn_impl=settings.attn_impl)
+            fwd = forward(params, cfg, tree.tokens, s.cache.length[:, None] + tree.depth, s.cache,
+                          tree.mask, aux_layers=drafter.aux_layers, attn_impl=settings.attn_impl)
         with jax.named_scope("verify"):
             verdict = verify(fwd.logits, tree, kv, greedy=greedy, max_depth=depth,
                              temperature=temperature, top_p=top_p, accept_rule=settings.accept_rule)
+        return tree, dstate, fwd._replace(logits=None), verdict
+
+    def score_root(s: LoopState, dstate, kd, kv):
+        """`score_tree`'s outputs for a plain step (the root alone), padded to the tree's shapes."""
+        tree, _ = Drafter().propose((), params, cfg, (), s.root, kd)
+        with jax.named_scope("target"):
+            fwd = forward(params, cfg, tree.tokens, s.cache.length[:, None], s.cache, tree.mask,
+                          aux_layers=drafter.aux_layers, attn_impl=settings.attn_impl)
+        with jax.named_scope("verify"):
+            verdict = verify(fwd.logits, tree, kv, greedy=greedy, max_depth=0,
+                             temperature=temperature, top_p=top_p, accept_rule=settings.accept_rule)
+        pad = lambda x, axis, value=0: jnp.pad(  # noqa: E731
+            x, [(0, t_size - 1 if i == axis else 0) for i in range(x.ndim)], constant_values=value)
+        k = drafter.max_children
+        tree = tree._replace(tokens=pad(tree.tokens, 1), parent=pad(tree.parent, 1, -1),
+                             depth=pad(tree.depth, 1), mask=pad(pad(tree.mask, 1), 2),
+                             children=jnp.pad(tree.children, ((0, 0), (0, t_size - 1), (0, k - 1)),
+                                              constant_values=-1))
+        fwd = fwd._replace(logits=None, hidden=pad(fwd.hidden, 1), k_new=pad(fwd.k_new, 2),
+                           v_new=pad(fwd.v_new, 2),
+                           aux_hidden=None if fwd.aux_hidden is None else pad(fwd.aux_hidden, 1))
+        verdict = verdict._replace(path=jnp.pad(verdict.path, ((0, 0), (0, depth)),
+                                                constant_values=-1))
+        return tree, dstate, fwd, verdict
+
+    def body(s: LoopState):
+        key, kd, kv = split_rows(s.key, 3)
+        active = s.finish == FINISH_RUNNING
+        root_pos = s.cache.length
+        dstate, fb = s.dstate, s.fb
+        if fallback:
+            use_tree = drafter.wants_tree(fb, active)
+            with jax.named_scope("draft_update"):  # the drafter catches up on the plain steps
+                dstate, fb = jax.lax.cond(
+                    use_tree, lambda: drafter.flush(dparams, params, cfg, dstate, fb, s.root),
+                    lambda: (dstate, fb))
+            # only reads of the cache inside the branches: its writes (commit) stay outside, in
+            # place (written inside, XLA copied every layer's cache buffer each step)
+            tree, dstate, fwd, verdict = jax.lax.cond(
+                use_tree, score_tree, score_root, s, dstate, kd, kv)
+            k_new, v_new = fwd.k_new, fwd.v_new
+        else:
+            tree, dstate, fwd, verdict = score_tree(s, dstate, kd, kv)
+            # The commit writes the cache in place; tie it to the scores so XLA orders it after
+            # every layer's cache read (plain decoding's commit does not depend on them otherwise,
+            # and XLA then copies each cache buffer every step to keep the reads safe).
+            k_new, v_new, _ = jax.lax.optimization_barrier((fwd.k_new, fwd.v_new, verdict))
+        positions = root_pos[:, None] + tree.depth
         n_acc = jnp.where(active, verdict.n_accepted, 0)
-        # The commit writes the cache in place; tie it to the logits so XLA orders it after every
-        # layer's cache read (plain decoding's commit does not depend on them otherwise, and XLA
-        # then copies each cache buffer every step to keep the reads safe).
-        k_new, v_new, _ = jax.lax.optimization_barrier((fwd.k_new, fwd.v_new, fwd.logits))
         cache = commit(s.cache, k_new, v_new, positions, jnp.maximum(verdict.path, 0), n_acc)
         # emitted tokens: the accepted draft tokens (path[1:]) then the bonus
         a = depth + 1
@@ -171,13 +218,32 @@ def decode(params, dparams, state: LoopState, temperature, top_p, row_max_new, *
                                    settings.eos_ids, row_max_new, active)
         finish = jnp.where((finish == FINISH_RUNNING) & (cache.length + t_size > n_slots),
                            FINISH_LENGTH, finish)
+        root = jnp.where(active, verdict.bonus, s.root)
+        ctx = VerifyContext(tree=tree, path=verdict.path, n_accepted=verdict.n_accepted,
+                            bonus=verdict.bonus, hidden=fwd.hidden, aux_hidden=fwd.aux_hidden,
+                            root_pos=root_pos, active=active)
         with jax.named_scope("draft_update"):
-            dstate = drafter.after_verify(dparams, params, cfg, dstate, VerifyContext(
-                tree=tree, path=verdict.path, n_accepted=verdict.n_accepted, bonus=verdict.bonus,
-                hidden=fwd.hidden, aux_hidden=fwd.aux_hidden, root_pos=root_pos, active=active))
+            if fallback:
+                dstate, fb = jax.lax.cond(use_tree, lambda: after_tree(dstate, fb, ctx),
+                                          lambda: after_root(dstate, fb, ctx, root))
+            else:
+                dstate = drafter.after_verify(dparams, params, cfg, dstate, ctx)
         hist = s.hist.at[rows, verdict.n_accepted - 1].add(active.astype(jnp.int32))
-        return LoopState(cache=cache, dstate=dstate, root=jnp.where(active, verdict.bonus, s.root),
-                         out=out, n_out=n_out, finish=finish, calls=s.calls + 1, hist=hist, key=key)
+        return LoopState(cache=cache, dstate=dstate, root=root, out=out, n_out=n_out,
+                         finish=finish, calls=s.calls + 1, hist=hist, key=key, fb=fb)
+
+    def after_tree(dstate, fb, ctx: VerifyContext):
+        dstate = drafter.after_verify(dparams, params, cfg, dstate, ctx)
+        return dstate, drafter.after_tree(fb, ctx.n_accepted, ctx.active)
+
+    def after_root(dstate, fb, ctx: VerifyContext, root):
+        """A plain step: buffer the drafter's inputs; a full buffer goes to the drafter now."""
+        aux = None if ctx.aux_hidden is None else ctx.aux_hidden[:, 0]
+        fb = drafter.buffer(fb, ctx.tree.tokens[:, 0], ctx.hidden[:, 0], aux, ctx.root_pos,
+                            ctx.active)
+        return jax.lax.cond(fb.n >= drafter.window,
+                            lambda: drafter.flush(dparams, params, cfg, dstate, fb, root),
+                            lambda: (dstate, fb))
 
     return jax.lax.while_loop(cond, body, state)
 

@@ -456,3 +456,38 @@ def test_the_ngram_chain_is_sized_per_target_and_plain_wins_where_no_chain_pays(
     acc = sizing.chain_profile(seqs, [len(p) for p in prompts], roots, 8)
     for c in report["curve"]:
         assert c["tau"] == pytest.approx(sizing._replay([np.minimum(a, c["ngram"]) for a in acc]))
+
+
+def test_a_sized_tree_falls_back_to_plain_steps_below_its_measured_break_even(
+        tiny_target, tmp_path, monkeypatch):
+    """The break-even is the chosen tree's measured step time in plain steps (tau x plain tok/s
+    over its tok/s); a sized choice (tree None or "auto") carries it, a tree the caller names or
+    fallback=False does not, a number sets it for any tree."""
+    import spec_jax
+    from spec_jax.generate import resolve_drafter
+    from spec_jax.heads.fallback import FallbackDrafter
+    from spec_jax.sizing import PLAIN, _store, break_even, calibration_key, ngram_key
+
+    monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
+    measured = [{"tree": PLAIN, "tau": 1.0, "tokens_per_second": 100.0},
+                {"tree": [[0], [1]], "tau": 2.4, "tokens_per_second": 120.0}]
+    assert break_even(measured) == pytest.approx((2.0, 2.4))  # a 3-token step: 2 plain steps
+    assert break_even(measured[:1]) is None and break_even(measured[1:]) is None
+    heads = spec_jax.init_draft(tiny_target, "eagle", seed=1, scale=0.3)
+    _store(calibration_key(tiny_target, heads, 1), {"tree": [[0], [1]], "measured": measured})
+    for tree in (None, "auto"):
+        d = resolve_drafter(tiny_target, heads, tree)[0]
+        assert isinstance(d, FallbackDrafter) and d.plain_below == pytest.approx(2.0)
+        assert d.prior == pytest.approx(2.4)
+        assert d.tree_size == 3 and d.method == "eagle"
+    assert not isinstance(resolve_drafter(tiny_target, heads, None, fallback=False)[0],
+                          FallbackDrafter)
+    assert not isinstance(resolve_drafter(tiny_target, heads, "chain:2")[0], FallbackDrafter)
+    assert resolve_drafter(tiny_target, heads, "chain:2", fallback=1.5)[0].plain_below == 1.5
+    assert resolve_drafter(tiny_target, heads, "chain:2", fallback=(1.5, 2.5))[0].prior == 2.5
+    _store(ngram_key(tiny_target, 1), {"tree": [[0]], "measured": [
+        {"tree": PLAIN, "tau": 1.0, "tokens_per_second": 100.0},
+        {"tree": [[0]], "tau": 1.5, "tokens_per_second": 125.0}]})
+    assert resolve_drafter(tiny_target, "ngram", None)[0].plain_below == pytest.approx(1.2)
+    r = spec_jax.generate(tiny_target, [1, 2, 3], 30, chat=False, draft=heads)
+    assert r.token_ids == spec_jax.generate(tiny_target, [1, 2, 3], 30, chat=False).token_ids

@@ -314,3 +314,70 @@ def test_a_two_layer_eagle_head_caches_each_layer_and_stays_lossless(tiny_target
         s0 = dd.init_state(h.params, tp, cfg, b, 32)
         roots.append(dd._run_chunk(h.params, tp, cfg, s0, feats, nxt, pos, ok).root_tok)
     np.testing.assert_array_equal(roots[0], roots[1])
+
+
+@pytest.mark.parametrize("method,tree", [("eagle", "dynamic:3,3,8+ngram:3"), ("eagle3", "chain:2"),
+                                         ("medusa", "chain:2"), ("mtp", None), ("ngram", None)])
+def test_plain_fallback_decodes_as_plain_and_greedy(tiny_target, heads, plain_tiny, method, tree):
+    """A break-even no tree reaches: after the first tree step each row takes plain steps, and
+    a tree step again once its mean has drifted back above the break-even; a batch's rows still
+    decode exactly as plain greedy."""
+    draft = "ngram" if method == "ngram" else heads[method]
+    prompts, plain = plain_tiny
+    spec = spec_jax.generate_batch(tiny_target, prompts, 40, draft=draft, tree=tree,
+                                   stop_at_eos=False, fallback=(2.5, 3.0))
+    plain40 = spec_jax.generate_batch(tiny_target, prompts, 40, stop_at_eos=False)
+    for p, r in zip(plain40, spec):
+        assert r.token_ids == p.token_ids, (method, tree)
+        s = r.stats
+        trees = sum(s["acceptance_histogram"]) - s["plain_steps"]
+        # random heads accept ~1 token: from 3.0, two tree steps bring the mean below 2.5, and
+        # then about 9 plain steps (each closing 1/16 of the gap to 3.0) bring it back
+        assert s["plain_steps"] >= 20 and 3 <= trees <= 12, s
+    off = spec_jax.generate_batch(tiny_target, prompts, 24, draft=draft, tree=tree,
+                                  stop_at_eos=False, fallback=False)
+    assert all(r.stats["plain_steps"] == 0 for r in off)
+
+
+def test_plain_fallback_hands_the_drafter_its_skipped_tokens_at_once(tiny_target, heads):
+    """`FallbackDrafter.flush` gives a drafter the state that one-token steps would have: a
+    chunk of buffered plain steps equals the same tokens accepted one at a time."""
+    import jax
+    import jax.numpy as jnp
+
+    from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
+    from spec_jax.heads.fallback import FallbackDrafter
+    from spec_jax.models.llama import causal_mask, forward
+
+    cfg, tp = tiny_target.cfg, tiny_target.params
+    for method in ("eagle", "eagle3"):
+        h = heads[method]
+        inner = h.drafter("chain:2")
+        d = FallbackDrafter(inner=inner, plain_below=9.0, prior=10.0, window=8)
+        dp = h.bind(tiny_target)
+        toks = jnp.asarray([[3, 9, 4, 1, 7, 2, 8, 5, 6, 11, 12, 13]], jnp.int32)
+        p, n = 4, 6  # prompt, then n tokens through plain steps
+        cache = tiny_target.new_cache(1, 32)
+        pos = jnp.arange(toks.shape[1])[None]
+        fwd = forward(tp, cfg, toks, pos, cache, causal_mask(1, toks.shape[1]),
+                      aux_layers=d.aux_layers)
+        state = d.after_prefill(dp, tp, cfg, d.init_state(dp, tp, cfg, 1, 32), PrefillContext(
+            tokens=toks[:, :p], prompt_len=jnp.asarray([p]), hidden=fwd.hidden[:, :p],
+            aux_hidden=None if fwd.aux_hidden is None else fwd.aux_hidden[:, :p],
+            first_token=toks[:, p]))
+        one_by_one, fb = state, d.init_fallback(cfg, 1, fwd.hidden.dtype)
+        active = jnp.asarray([True])
+        for i in range(p, p + n):
+            aux = None if fwd.aux_hidden is None else fwd.aux_hidden[:, i:i + 1]
+            tree, _ = Drafter().propose((), tp, cfg, (), toks[:, i], None)
+            one_by_one = d.after_verify(dp, tp, cfg, one_by_one, VerifyContext(
+                tree=tree, path=jnp.zeros((1, 1), jnp.int32), n_accepted=jnp.asarray([1]),
+                bonus=toks[:, i + 1], hidden=fwd.hidden[:, i:i + 1], aux_hidden=aux,
+                root_pos=jnp.asarray([i]), active=active))
+            fb = d.buffer(fb, toks[:, i], fwd.hidden[:, i], None if aux is None else aux[:, 0],
+                          jnp.asarray([i]), active)
+        chunked, fb = d.flush(dp, tp, cfg, state, fb, toks[:, p + n])
+        assert int(fb.n) == 0 and int(fb.plain[0]) == n
+        for a, b in zip(jax.tree.leaves(one_by_one), jax.tree.leaves(chunked)):
+            np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                       rtol=1e-5, atol=1e-5, err_msg=method)

@@ -1,0 +1,147 @@
+"""Plain decoding where speculation does not pay: per row, from its recent acceptance.
+
+A tree step costs more than a one-token step (on a 2-core CPU, a 4-token verify and its draft
+about 1.8x a plain step), so speculation pays only where enough tokens are accepted per step: on
+SmolLM2's MT-bench answers the sized 4-token tree ran 1.37x plain on `extraction` and 0.82x on
+`humanities` (docs/bench/run44). A `FallbackDrafter` wraps the sized drafter with the break-even
+acceptance `plain_below` (the sizing's measured step time of the tree over a plain step's, in
+plain steps) and the tree's measured acceptance `prior`. Each row keeps a running mean of the
+tokens its tree steps accepted, starting at the prior; below the break-even the row wants plain
+steps, and while it takes them its mean drifts back toward the prior (nothing was observed), so
+it probes with a tree step again after a while: soon after a near miss, later after a run of bad
+steps. The loop (`spec_jax.step.decode`) runs a tree step when any running row wants one, else a
+plain step.
+
+The drafter's state must follow every committed token. Plain steps do not run it: they buffer
+each step's token, target hidden state and position, and the next tree step (or a full buffer of
+`window` steps) hands the buffered run to the drafter's `after_verify` at once, as one accepted
+chain (`flush`). Draft heads read a chunk of tokens at about the cost of one, so a plain step
+costs what plain decoding does. Which step runs depends only on accepted counts, never on the
+current step's random draws, so outputs keep the target's distribution (and greedy outputs equal
+plain decoding's).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from spec_jax.heads.base import Drafter, VerifyContext
+from spec_jax.tree import Tree
+
+
+@flax.struct.dataclass
+class FallbackState:
+    mean: jax.Array  # [B] running mean of tokens accepted per tree step
+    plain: jax.Array  # [B] plain steps taken (a statistic)
+    tok: jax.Array  # [B, W] buffered plain steps' tokens (each step's root)
+    hidden: jax.Array  # [B, W, H] the target's hidden state at each
+    aux: Any  # [B, W, n*H] its fused features (EAGLE-3), or None
+    pos0: jax.Array  # [B] position of the first buffered token
+    count: jax.Array  # [B] buffered tokens
+    n: jax.Array  # [] plain steps buffered (a row that stopped has fewer tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class FallbackDrafter(Drafter):
+    """`inner`, with plain steps while a row's running mean of accepted tokens per tree step is
+    below `plain_below`. The mean starts at `prior`, weighs each tree step by `weight` and drifts
+    back to the prior by `relax` of the gap per plain step; `window` plain steps are buffered for
+    the drafter at most."""
+
+    inner: Drafter = Drafter()
+    plain_below: float = 0.0
+    prior: float = 0.0
+    weight: float = 0.25
+    relax: float = 1 / 16
+    window: int = 16
+    method: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "method", self.inner.method)
+
+    @property
+    def tree_size(self):
+        return self.inner.tree_size
+
+    @property
+    def max_depth(self):
+        return self.inner.max_depth
+
+    @property
+    def max_children(self):
+        return self.inner.max_children
+
+    @property
+    def aux_layers(self):
+        return self.inner.aux_layers
+
+    def with_attn_impl(self, impl):
+        return dataclasses.replace(self, inner=self.inner.with_attn_impl(impl))
+
+    def init_state(self, dparams, tparams, tcfg, batch, num_slots):
+        return self.inner.init_state(dparams, tparams, tcfg, batch, num_slots)
+
+    def after_prefill(self, dparams, tparams, tcfg, state, ctx):
+        return self.inner.after_prefill(dparams, tparams, tcfg, state, ctx)
+
+    def propose(self, dparams, tparams, tcfg, state, root, key):
+        return self.inner.propose(dparams, tparams, tcfg, state, root, key)
+
+    def after_verify(self, dparams, tparams, tcfg, state, ctx):
+        return self.inner.after_verify(dparams, tparams, tcfg, state, ctx)
+
+    # ---- the loop's side ----
+    def init_fallback(self, tcfg, batch: int, dtype) -> FallbackState:
+        w, h = self.window, tcfg.hidden_size
+        n_aux = len(self.aux_layers)
+        zi = jnp.zeros((batch,), jnp.int32)
+        return FallbackState(
+            mean=jnp.full((batch,), self.prior, jnp.float32), plain=zi,
+            tok=jnp.zeros((batch, w), jnp.int32), hidden=jnp.zeros((batch, w, h), dtype),
+            aux=jnp.zeros((batch, w, n_aux * h), dtype) if n_aux else None, pos0=zi, count=zi,
+            n=jnp.zeros((), jnp.int32))
+
+    def wants_tree(self, fb: FallbackState, active):
+        """Whether any running row wants a tree step now (a scalar)."""
+        return jnp.any(active & (fb.mean >= self.plain_below))
+
+    def after_tree(self, fb: FallbackState, n_accepted, active) -> FallbackState:
+        mean = (1 - self.weight) * fb.mean + self.weight * n_accepted.astype(jnp.float32)
+        return fb.replace(mean=jnp.where(active, mean, fb.mean))
+
+    def buffer(self, fb: FallbackState, root, hidden, aux, pos, active) -> FallbackState:
+        """Append one plain step: root [B] at position pos [B], its hidden [B, H] (aux [B, nH])."""
+        rows = jnp.arange(root.shape[0])
+        i = jnp.where(active, fb.n, self.window)  # inactive rows: dropped
+        put = lambda buf, x: buf.at[rows, i].set(x.astype(buf.dtype), mode="drop")  # noqa: E731
+        return fb.replace(
+            tok=put(fb.tok, root), hidden=put(fb.hidden, hidden),
+            aux=None if fb.aux is None else put(fb.aux, aux),
+            pos0=jnp.where(fb.n == 0, pos, fb.pos0), count=fb.count + active.astype(jnp.int32),
+            n=fb.n + 1, plain=fb.plain + active.astype(jnp.int32),
+            mean=jnp.where(active, fb.mean + self.relax * (self.prior - fb.mean), fb.mean))
+
+    def flush(self, dparams, tparams, tcfg, state, fb: FallbackState, bonus):
+        """The drafter's state after the buffered plain steps (none: unchanged), and an empty
+        buffer. bonus [B]: the token after the last buffered one (the loop's current root)."""
+
+        def run(state):
+            b, w = fb.tok.shape
+            idx = jnp.arange(w, dtype=jnp.int32)
+            path = jnp.where(idx[None, :] < fb.count[:, None], idx[None, :], -1)
+            chain = Tree(tokens=fb.tok, parent=jnp.broadcast_to(idx - 1, (b, w)),
+                         depth=jnp.broadcast_to(idx, (b, w)),
+                         mask=jnp.broadcast_to(jnp.tril(jnp.ones((w, w), bool)), (b, w, w)),
+                         children=jnp.broadcast_to(jnp.where(idx + 1 < w, idx + 1, -1)[:, None],
+                                                   (b, w, 1)))
+            ctx = VerifyContext(tree=chain, path=path, n_accepted=jnp.maximum(fb.count, 1),
+                                bonus=bonus, hidden=fb.hidden, aux_hidden=fb.aux,
+                                root_pos=fb.pos0, active=fb.count > 0)
+            return self.inner.after_verify(dparams, tparams, tcfg, state, ctx)
+
+        state = jax.lax.cond(fb.n > 0, run, lambda s: s, state)
+        return state, fb.replace(count=jnp.zeros_like(fb.count), n=jnp.zeros_like(fb.n))
