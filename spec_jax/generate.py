@@ -51,6 +51,7 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1, attn_impl: str 
     (spec_jax.heads.datastore), its chain is grafted on: `+ds:N` tokens where the tree says, as
     sized for `auto`, else 8. `fallback` (see `generate`) may wrap the result in a
     `spec_jax.heads.fallback.FallbackDrafter`."""
+    point = _fallback_point(fallback)
     drafter, dparams = _resolve(target, draft, tree, batch, attn_impl, datastore, temperature,
                                 top_p)
     if type(drafter) is Drafter or fallback is False:
@@ -63,16 +64,29 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1, attn_impl: str 
 
         if split_graft(split_datastore(tree_object(tree))[0])[0] not in (None, "auto"):
             return drafter, dparams  # a tree the caller chose: as given
-
         heads = "ngram" if isinstance(draft, str) else draft
         point = sizing.cached_break_even(target, heads, batch, datastore, temperature, top_p)
-    elif isinstance(fallback, (tuple, list)):  # (break-even, prior), as `sizing.break_even`
-        point = tuple(float(x) for x in fallback)
-    else:  # a break-even the caller names; the prior sits a quarter above it
-        point = (float(fallback), 1.25 * float(fallback))
     if point is None or point[0] <= 0:
         return drafter, dparams
     return FallbackDrafter(inner=drafter, plain_below=point[0], prior=max(point)), dparams
+
+
+def _fallback_point(fallback) -> tuple[float, float] | None:
+    """`generate`'s fallback as (break-even, prior), None for True or False (the sizing's, none).
+    A break-even given alone gets a prior a quarter above it."""
+    if isinstance(fallback, bool):
+        return None
+    try:
+        below, prior = (fallback if isinstance(fallback, (tuple, list))
+                        else (fallback, 1.25 * fallback))
+        point = (float(below), float(prior))
+    except (TypeError, ValueError):
+        point = (float("nan"),) * 2
+    if not (0 < point[0] <= point[1] < float("inf")):
+        raise SpecJaxError(f"fallback must be True, False, a break-even > 0 (tokens per tree step) "
+                           f"or a pair (break-even, expected tokens per tree step >= it), not "
+                           f"{fallback!r}")
+    return point
 
 
 def _resolve(target, draft, tree, batch, attn_impl, datastore, temperature, top_p):

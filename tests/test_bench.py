@@ -464,6 +464,7 @@ def test_a_sized_tree_falls_back_to_plain_steps_below_its_measured_break_even(
     over its tok/s); a sized choice (tree None or "auto") carries it, a tree the caller names or
     fallback=False does not, a number sets it for any tree."""
     import spec_jax
+    from spec_jax.errors import SpecJaxError
     from spec_jax.generate import resolve_drafter
     from spec_jax.heads.fallback import FallbackDrafter
     from spec_jax.sizing import PLAIN, _store, break_even, calibration_key, ngram_key
@@ -485,6 +486,9 @@ def test_a_sized_tree_falls_back_to_plain_steps_below_its_measured_break_even(
     assert not isinstance(resolve_drafter(tiny_target, heads, "chain:2")[0], FallbackDrafter)
     assert resolve_drafter(tiny_target, heads, "chain:2", fallback=1.5)[0].plain_below == 1.5
     assert resolve_drafter(tiny_target, heads, "chain:2", fallback=(1.5, 2.5))[0].prior == 2.5
+    for bad in ("often", -1.0, (2.0, 1.0), (1.0,)):
+        with pytest.raises(SpecJaxError, match="fallback must be"):
+            resolve_drafter(tiny_target, heads, "chain:2", fallback=bad)
     _store(ngram_key(tiny_target, 1), {"tree": [[0]], "measured": [
         {"tree": PLAIN, "tau": 1.0, "tokens_per_second": 100.0},
         {"tree": [[0]], "tau": 1.5, "tokens_per_second": 125.0}]})
