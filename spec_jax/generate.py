@@ -52,18 +52,17 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1, attn_impl: str 
     sized for `auto`, else 8. `fallback` (see `generate`) may wrap the result in a
     `spec_jax.heads.fallback.FallbackDrafter`."""
     point = _fallback_point(fallback)
-    drafter, dparams = _resolve(target, draft, tree, batch, attn_impl, datastore, temperature,
-                                top_p)
+    drafter, dparams, sized = _resolve(target, draft, tree, batch, attn_impl, datastore,
+                                       temperature, top_p)
     if type(drafter) is Drafter or fallback is False:
         return drafter, dparams
     from spec_jax.heads.fallback import FallbackDrafter
 
     if fallback is True:
         from spec_jax import sizing
-        from spec_jax.heads.graft import split_datastore, split_graft
 
-        if split_graft(split_datastore(tree_object(tree))[0])[0] not in (None, "auto"):
-            return drafter, dparams  # a tree the caller chose: as given
+        if not sized:
+            return drafter, dparams  # a tree the caller chose (or a default): as given
         heads = "ngram" if isinstance(draft, str) else draft
         point = sizing.cached_break_even(target, heads, batch, datastore, temperature, top_p)
     if point is None or point[0] <= 0:
@@ -90,12 +89,15 @@ def _fallback_point(fallback) -> tuple[float, float] | None:
 
 
 def _resolve(target, draft, tree, batch, attn_impl, datastore, temperature, top_p):
+    """`resolve_drafter` without the fallback: (drafter, dparams, whether it is exactly a cached
+    sizing's choice, whose measured break-even then applies)."""
     from spec_jax.heads.graft import split_datastore, split_graft, with_datastore, with_graft
     from spec_jax.heads.ngram import NgramDrafter
     from spec_jax.heads.registry import DraftHeads
 
     given = tree = tree_object(tree)
     tree, ds_n = split_datastore(tree)
+    given_ds = ds_n
     if ds_n and datastore is None:
         raise SpecJaxError(f"tree {given!r} drafts from a datastore: pass datastore="
                            "spec_jax.load_datastore(DIR) (CLI: --datastore DIR)")
@@ -103,9 +105,10 @@ def _resolve(target, draft, tree, batch, attn_impl, datastore, temperature, top_
         if datastore is not None:
             raise SpecJaxError("a datastore drafts beside a drafter: pass draft='ngram' or heads "
                                "(draft=None is plain decoding)")
-        return Drafter(), ()
+        return Drafter(), (), False
     if datastore is not None:
         datastore.check_target(target)
+    sized = False
     if isinstance(draft, str) and draft.startswith("ngram"):
         if tree in (None, "auto") and datastore is None:  # sized for this device, as heads are
             from spec_jax import sizing
@@ -115,8 +118,8 @@ def _resolve(target, draft, tree, batch, attn_impl, datastore, temperature, top_
                 lambda: sizing.size_ngram(target, batch=batch, temperature=temperature,
                                           top_p=top_p)[0])
             if chosen == sizing.PLAIN:
-                return Drafter(), ()
-            tree = chosen
+                return Drafter(), (), False
+            tree, sized = chosen, chosen is not None
         drafter, dparams = NgramDrafter.from_tree(None if tree == "auto" else tree), ()
     elif isinstance(draft, DraftHeads):
         from spec_jax import sizing
@@ -134,6 +137,7 @@ def _resolve(target, draft, tree, batch, attn_impl, datastore, temperature, top_
                 ds_n = 0 if chosen == sizing.PLAIN else sized_ds
             # the chosen tree may carry a graft of its own; the caller's +ngram:N wins
             drafter = with_graft(draft.drafter(chosen), graft_n)
+            sized = chosen is not None and not graft_n and (datastore is None or given_ds is None)
         else:
             drafter = draft.drafter(tree)
         drafter = drafter.with_attn_impl(attn_impl)
@@ -142,13 +146,13 @@ def _resolve(target, draft, tree, batch, attn_impl, datastore, temperature, top_
         raise SpecJaxError(f"unknown draft {draft!r}: pass 'ngram', heads from spec_jax.init_draft / "
                            "spec_jax.load_draft, or None for plain decoding")
     if datastore is None:
-        return drafter, dparams
+        return drafter, dparams, sized
     if ds_n is None:
         ds_n = min(8, datastore.depth)
     if not ds_n:
-        return drafter, dparams
+        return drafter, dparams, sized
     return (with_datastore(drafter, datastore.chain(ds_n)),
-            {**(dparams or {}), "datastore": datastore.tables()})
+            {**(dparams or {}), "datastore": datastore.tables()}, sized)
 
 
 def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 128, *,

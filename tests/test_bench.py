@@ -484,6 +484,8 @@ def test_a_sized_tree_falls_back_to_plain_steps_below_its_measured_break_even(
     assert not isinstance(resolve_drafter(tiny_target, heads, None, fallback=False)[0],
                           FallbackDrafter)
     assert not isinstance(resolve_drafter(tiny_target, heads, "chain:2")[0], FallbackDrafter)
+    # the sized tree with a graft the caller adds is not the tree the break-even was measured for
+    assert not isinstance(resolve_drafter(tiny_target, heads, "+ngram:4")[0], FallbackDrafter)
     assert resolve_drafter(tiny_target, heads, "chain:2", fallback=1.5)[0].plain_below == 1.5
     assert resolve_drafter(tiny_target, heads, "chain:2", fallback=(1.5, 2.5))[0].prior == 2.5
     for bad in ("often", -1.0, (2.0, 1.0), (1.0,)):
