@@ -23,7 +23,8 @@ import numpy as np
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.graft import split_datastore, uses_datastore
 from spec_jax.heads.switch import as_switch
-from spec_jax.sizing import PLAIN, size_ngram, size_tree, tree_name, tree_tokens, verify_latency
+from spec_jax.sizing import (PLAIN, measured_name, size_ngram, size_tree, tree_name, tree_tokens,
+                             verify_latency)
 
 
 @dataclasses.dataclass
@@ -242,14 +243,17 @@ def calibration_prompts(prompts: list, measured: list, n: int = CALIBRATION_PROM
 
 
 def add_auto_rows(drafts: dict, label: str, draft, tree, report: dict, mode: str = "on") -> None:
-    """The rows of a sized choice: with the plain-step fallback at the sizing's measured
-    break-even (labelled "+plain<B") for mode "on", without it for "off", both for "both"."""
-    from spec_jax.sizing import break_even
+    """The rows of a sized choice: as the sizing chose it ("on": with the plain-step fallback,
+    labelled "+plain<B", where the sizing measured that it pays), without the fallback ("off"),
+    or both ("both": with the fallback at the break-even the sizing measured, and without)."""
+    from spec_jax.sizing import chosen_fallback
 
-    point = break_even(report["measured"])
+    chosen = chosen_fallback(report["measured"])
+    point = chosen if mode == "on" else next(
+        (tuple(m["fallback"]) for m in report["measured"] if m.get("fallback")), chosen)
     if mode in ("on", "both") and point:
         drafts[f"{label}+plain<{point[0]:.2f}"] = (draft, tree, point)
-    if mode in ("off", "both") or not point:
+    if mode != "on" or not point:
         drafts[label] = (draft, tree, False)
 
 
@@ -363,8 +367,10 @@ def _curve_table(report) -> str:
                      f"accepts most there (no policy over these arms does better)")
     lines += ["", "| measured end to end | τ | tok/s |", "|---|---|---|"]
     for m in report["measured"]:
-        lines.append(f"| {tree_name(m['tree'])} | {m['tau']:.2f} | {m['tokens_per_second']:.1f} |")
-    lines.append(f"\nchosen: {tree_name(report['tree'])} (profile over {report['profile_positions']} "
+        lines.append(f"| {measured_name(m)} | {m['tau']:.2f} | {m['tokens_per_second']:.1f} |")
+    fb = report.get("fallback")
+    lines.append(f"\nchosen: {tree_name(report['tree'])}" + (f"+plain<{fb[0]:.2f}" if fb else "")
+                 + f" (profile over {report['profile_positions']} "
                  f"positions, {report['seconds']:.0f} s)")
     return "\n".join(lines)
 
@@ -389,7 +395,7 @@ def _plot_curve(report, path):
         t = m["tree"]
         x = tree_tokens(t)
         ax.scatter([x], [m["tokens_per_second"]], marker="x", color="k")
-        ax.annotate(tree_name(t), (x, m["tokens_per_second"]), fontsize=6)
+        ax.annotate(measured_name(m), (x, m["tokens_per_second"]), fontsize=6)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tree tokens")
     ax.set_ylabel("tokens/s")

@@ -79,12 +79,14 @@ def cmd_demo(a):
     target = spec_jax.load_target(model)
     from spec_jax.sizing import size_ngram, size_tree, tree_name
 
-    chain, _ = size_ngram(target)  # measured on first use, then cached; may be plain
-    drafts = [("plain", None), (f"n-gram ({tree_name(chain)})", "ngram")]
+    name = lambda tree, report: tree_name(tree) + (  # noqa: E731
+        f"+plain<{report['fallback'][0]:.2f}" if report.get("fallback") else "")
+    chain, report = size_ngram(target)  # measured on first use, then cached; may be plain
+    drafts = [("plain", None), (f"n-gram ({name(chain, report)})", "ngram")]
     if Path(a.draft).is_dir():
         heads = spec_jax.load_draft(a.draft)
-        tree, _ = size_tree(target, heads)  # measured on first use, then cached
-        drafts.append((f"{heads.method} ({tree_name(tree)})", heads))
+        tree, report = size_tree(target, heads)  # measured on first use, then cached
+        drafts.append((f"{heads.method} ({name(tree, report)})", heads))
     else:
         print(f"(no trained heads at {a.draft}; showing plain and n-gram decoding)")
     for prompt in DEMO_PROMPTS:

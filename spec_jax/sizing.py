@@ -122,7 +122,7 @@ def _entry(target, heads, batch: int, datastore=None, temperature: float = 0.0, 
     follow it too."""
     entry = _cache().get(calibration_key(target, heads, batch, datastore, temperature, top_p))
     if entry is not None and entry.get("measured"):
-        entry["tree"] = pick_winner(entry["measured"])["tree"]
+        entry["tree"] = choose(entry["measured"])["tree"]
     return entry
 
 
@@ -150,8 +150,8 @@ def sized_choice(tree, temperature: float, top_p: float, cached, size):
 def break_even(measured: list[dict]) -> tuple[float, float] | None:
     """(tokens a tree step of the chosen candidate must accept to match a plain step, the tokens
     it accepted) from their end-to-end measurements: tau / tokens/s of the choice over
-    1 / tokens/s of plain decoding, and tau. `FallbackDrafter`'s plain_below and prior. None when
-    plain decoding was chosen or not measured."""
+    1 / tokens/s of plain decoding, and tau. None when plain decoding was chosen or not measured.
+    The fallback of sizings that measured none (`chosen_fallback`)."""
     plain = [m for m in measured if m["tree"] == PLAIN]
     chosen = pick_winner(measured)
     if not plain or chosen["tree"] == PLAIN or chosen["tokens_per_second"] <= 0:
@@ -160,17 +160,67 @@ def break_even(measured: list[dict]) -> tuple[float, float] | None:
             chosen["tau"])
 
 
+PROBE_MARGIN = 0.03  # a fallback's prior at least this far above its break-even: it probes
+
+
+def fallback_point(measured: list[dict]) -> tuple[float, float] | None:
+    """(break-even, prior) of the plain-step fallback (`spec_jax.heads.fallback`) for the best
+    speculative candidate measured (`pick_winner` among them): the tokens its tree step must accept
+    to match a plain step (tau x plain tok/s / its tok/s), and the mean of accepted tokens a row
+    starts at and drifts back to while it takes plain steps: its tau, or just above the
+    break-even where the tau is lower. A tree that lost to plain decoding on the calibration
+    prompts may still win on a request that repeats its context, and only a tree step now and
+    then finds that out. None without a speculative or a plain measurement."""
+    plain = [m for m in measured if m["tree"] == PLAIN]
+    spec = [m for m in measured if m["tree"] != PLAIN and not m.get("fallback")]
+    if not plain or not spec:
+        return None
+    best = pick_winner(spec)
+    if best["tokens_per_second"] <= 0:
+        return None
+    even = best["tau"] * plain[0]["tokens_per_second"] / best["tokens_per_second"]
+    return even, max(best["tau"], even * (1 + PROBE_MARGIN))
+
+
+def choose(measured: list[dict]) -> dict:
+    """The sizing's choice from its end-to-end measurements: `pick_winner` among the runs without
+    the fallback, unless the best candidate's run with it (the entry with "fallback": [break-even,
+    prior]) measured at least as fast as plain decoding that won, or within the noise margin of
+    the speculative winner: on a tie the fallback is the safer bet, as it costs little where the
+    drafts fail and keeps the tree where they do not."""
+    runs = [m for m in measured if not m.get("fallback")]
+    winner = pick_winner(runs)
+    fb = [m for m in measured if m.get("fallback")]
+    if not fb:
+        return winner
+    fb = fb[-1]
+    if winner["tree"] == PLAIN:
+        return fb if fb["tokens_per_second"] >= winner["tokens_per_second"] else winner
+    ok = fb["tokens_per_second"] * (1 + _margin(measured)) >= winner["tokens_per_second"]
+    return fb if ok else winner
+
+
+def chosen_fallback(measured: list[dict]) -> tuple[float, float] | None:
+    """(break-even, prior) of the fallback the sizing's choice runs with, None for none: the
+    fallback run's if `choose` took it; for measurements without such a run (sizings from before
+    it was measured), `break_even` of the chosen tree, as they were used then."""
+    if not any(m.get("fallback") for m in measured):
+        return break_even(measured)
+    chosen = choose(measured)
+    return tuple(chosen["fallback"]) if chosen.get("fallback") else None
+
+
 def cached_break_even(target, heads, batch: int = 1, datastore=None, temperature: float = 0.0,
                       top_p: float = 1.0) -> tuple[float, float] | None:
-    """`break_even` of the cached sizing for these heads ("ngram": the n-gram chain's) here, for
-    this sampling setting or else the greedy one (as `sized_choice` falls back); None if none."""
+    """`chosen_fallback` of the cached sizing for these heads ("ngram": the n-gram chain's) here,
+    for this sampling setting or else the greedy one (as `sized_choice` falls back); None if none."""
     for t, p in ((temperature, top_p), (0.0, 1.0)):
         if heads == "ngram":
             entry = _cache().get(ngram_key(target, batch, t, p))
         else:
             entry = _entry(target, heads, batch, datastore, t, p)
         if entry and entry.get("measured"):
-            return break_even(entry["measured"])
+            return chosen_fallback(entry["measured"])
     return None
 
 
@@ -597,8 +647,8 @@ def size_tree(target, heads, prompts=None, batch: int = 1,
         f"batch {batch}" + (f", sampling at temperature {temperature:g}, top_p {top_p:g}"
                             if temperature > 0 else "") + f" (once; cached in {cache_file()}) ...")
     groups = [(texts[i:] + texts * batch)[:batch] for i in range(0, len(texts), batch)]
-    measure = lambda tree: _measure(target, groups, max_new_tokens, tree, heads, datastore,  # noqa: E731
-                                    temperature, top_p)
+    measure = lambda tree, fallback=False: _measure(  # noqa: E731
+        target, groups, max_new_tokens, tree, heads, datastore, temperature, top_p, fallback)
     measured = [measure(PLAIN)]
     # plain decoding's outputs are the continuations (greedy or sampled) the profile runs along
     seqs, plens = _continuations(target, groups, measured[0].pop("outputs"))
@@ -708,21 +758,35 @@ def _verify_curve(target, sizes, batch: int) -> dict:
 
 
 def _decide(key: str, measured: list[dict], measure, say, t_start: float, what: str, **report):
-    """Run every candidate a second time (`_second_round`), pick the winner, and store and return
-    (its tree, the sizing report: `report`'s fields with the tree, the measurements and the
-    seconds the sizing took)."""
-    winner = _second_round(measured, measure, say)
-    report = {"tree": winner["tree"], **report, "measured": measured,
-              "seconds": time.perf_counter() - t_start}
+    """Run every candidate a second time (`_second_round`), then the best speculative one twice
+    with the plain-step fallback at its measured break-even (`fallback_point`), `choose`, and
+    store and return (the chosen tree, the sizing report: `report`'s fields with the tree, its
+    fallback (break-even, prior) or None, the measurements and the seconds the sizing took)."""
+    _second_round(measured, measure, say)
+    point = fallback_point(measured)
+    if point is not None:
+        tree = pick_winner([m for m in measured if m["tree"] != PLAIN])["tree"]
+        runs = [measure(tree, point) for _ in range(2)]
+        best = max(runs, key=lambda r: r["tokens_per_second"])
+        measured.append({"tree": tree, "fallback": list(point), "tau": best["tau"],
+                         "plain_step_share": best["plain_step_share"],
+                         "tokens_per_second": best["tokens_per_second"],
+                         "runs_tokens_per_second": [r["tokens_per_second"] for r in runs]})
+        say(f"  {measured_name(measured[-1])}: tau {best['tau']:.2f}, "
+            f"{best['plain_step_share']:.0%} plain steps, {best['tokens_per_second']:.1f} tok/s "
+            f"(best of {', '.join(f'{r:.1f}' for r in measured[-1]['runs_tokens_per_second'])})")
+    winner = choose(measured)
+    report = {"tree": winner["tree"], "fallback": winner.get("fallback"), **report,
+              "measured": measured, "seconds": time.perf_counter() - t_start}
     _store(key, report)
-    say(f"chose {tree_name(winner['tree'])}{what} ({report['seconds']:.0f} s)")
+    say(f"chose {measured_name(winner)}{what} ({report['seconds']:.0f} s)")
     return winner["tree"], report
 
 
-def _second_round(measured: list[dict], measure, say) -> dict:
+def _second_round(measured: list[dict], measure, say) -> None:
     """Run every candidate again, right after the first round and in the same order; each keeps
     its faster run, so a burst of load on a shared machine during one run does not decide the
-    choice. Returns the winner (`pick_winner`)."""
+    choice."""
     for m in measured:
         again = measure(m["tree"])
         m["runs_tokens_per_second"] = [m["tokens_per_second"], again["tokens_per_second"]]
@@ -731,7 +795,6 @@ def _second_round(measured: list[dict], measure, say) -> dict:
         m.pop("outputs", None)
         say(f"  {tree_name(m['tree'])}: tau {m['tau']:.2f}, {m['tokens_per_second']:.1f} tok/s "
             f"(best of {', '.join(f'{x:.1f}' for x in m['runs_tokens_per_second'])})")
-    return pick_winner(measured)
 
 
 NGRAM_CHAINS = (1, 2, 3, 4, 6, 8)  # chain lengths `size_ngram` weighs
@@ -747,7 +810,7 @@ def ngram_key(target, batch: int, temperature: float = 0.0, top_p: float = 1.0) 
 def cached_ngram(target, batch: int = 1, temperature: float = 0.0, top_p: float = 1.0):
     """The cached n-gram choice here (PLAIN or a chain's paths), or None if never sized."""
     entry = _cache().get(ngram_key(target, batch, temperature, top_p))
-    return None if not entry or not entry.get("measured") else pick_winner(entry["measured"])["tree"]
+    return None if not entry or not entry.get("measured") else choose(entry["measured"])["tree"]
 
 
 def size_ngram(target, prompts=None, batch: int = 1, max_new_tokens: int = CALIBRATION_TOKENS,
@@ -767,7 +830,7 @@ def size_ngram(target, prompts=None, batch: int = 1, max_new_tokens: int = CALIB
     key = ngram_key(target, batch, temperature, top_p)
     entry = _cache().get(key) if use_cache else None
     if entry is not None and entry.get("measured"):
-        return pick_winner(entry["measured"])["tree"], entry
+        return choose(entry["measured"])["tree"], entry
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if progress else (lambda *a: None)
     t_start = time.perf_counter()
     texts = [getattr(p, "text", p) for p in (prompts or DEFAULT_PROMPTS)]
@@ -775,8 +838,8 @@ def size_ngram(target, prompts=None, batch: int = 1, max_new_tokens: int = CALIB
     say(f"sizing the n-gram chain on {jax.devices()[0].device_kind}, batch {batch} (once; cached "
         f"in {cache_file()}) ...")
     groups = [(texts[i:] + texts * batch)[:batch] for i in range(0, len(texts), batch)]
-    measure = lambda tree: _measure(target, groups, max_new_tokens, tree, "ngram",  # noqa: E731
-                                    None, temperature, top_p)
+    measure = lambda tree, fallback=False: _measure(  # noqa: E731
+        target, groups, max_new_tokens, tree, "ngram", None, temperature, top_p, fallback)
     measured = [measure(PLAIN)]
     seqs, plens = _continuations(target, groups, measured[0].pop("outputs"))
     roots = [np.zeros((max(len(q) - p - 1, 0),)) for q, p in zip(seqs, plens)]
@@ -830,9 +893,7 @@ def pick_winner(measured: list[dict]) -> dict:
     datastore pays only where the workload resembles its corpus, which a few calibration prompts
     cannot tell."""
     fastest = lambda ms: max(ms, key=lambda m: m["tokens_per_second"])  # noqa: E731
-    spreads = sorted(abs(r[0] - r[1]) / max(r) for r in
-                     (m.get("runs_tokens_per_second", [1.0, 1.0]) for m in measured))
-    margin = max(DS_MARGIN, spreads[len(spreads) // 2])
+    margin = _margin(measured)
     best = fastest(measured)
     without = [m for m in measured if not uses_datastore(m["tree"])]
     if uses_datastore(best["tree"]) and without:
@@ -847,6 +908,14 @@ def pick_winner(measured: list[dict]) -> dict:
     return max(pool, key=lambda m: (m.get("tau", 0.0), m["tokens_per_second"]))
 
 
+def _margin(measured: list[dict]) -> float:
+    """This host's noise as the measurements show it: max(DS_MARGIN, the median relative spread
+    between each candidate's two runs)."""
+    spreads = sorted(abs(r[0] - r[1]) / max(r) for r in
+                     (m.get("runs_tokens_per_second", [1.0, 1.0]) for m in measured))
+    return max(DS_MARGIN, spreads[len(spreads) // 2])
+
+
 def _choice(tree, entry, datastore=None) -> object:
     """A sizing choice as `generate(tree=...)` takes it: the tree, or the tree with its grafts
     (sized with a datastore, the choice always says how many datastore tokens, 0 included)."""
@@ -858,13 +927,15 @@ def _choice(tree, entry, datastore=None) -> object:
 
 
 def _measure(target, groups, max_new_tokens, tree, heads, datastore=None, temperature: float = 0.0,
-             top_p: float = 1.0) -> dict:
-    """End-to-end tokens/s and tau over the prompt groups (generate's wall time excludes
-    compilation), greedy or sampled (group i with seed i)."""
+             top_p: float = 1.0, fallback=False) -> dict:
+    """End-to-end tokens/s, tau and share of plain steps over the prompt groups (generate's wall
+    time excludes compilation), greedy or sampled (group i with seed i); `fallback` is
+    generate's (a (break-even, prior) pair, or False)."""
     import spec_jax
 
-    kw = {} if tree == PLAIN else {"draft": heads, "tree": tree, "datastore": datastore}
-    tok, wall, steps, outs = 0, 0.0, 0, []
+    kw = {} if tree == PLAIN else {"draft": heads, "tree": tree, "datastore": datastore,
+                                   "fallback": fallback}
+    tok, wall, steps, plain, outs = 0, 0.0, 0, 0, []
     for i, rows in enumerate(groups):
         rs = spec_jax.generate_batch(target, rows, max_new_tokens, temperature=temperature,
                                      top_p=top_p, seed=i, **kw)
@@ -872,9 +943,11 @@ def _measure(target, groups, max_new_tokens, tree, heads, datastore=None, temper
         tok += sum(r.stats["new_tokens"] for r in rs)
         wall += rs[0].stats["wall_seconds"]
         steps += sum(sum(r.stats["acceptance_histogram"]) for r in rs)
+        plain += sum(r.stats.get("plain_steps", 0) for r in rs)
     n_rows = sum(len(g) for g in groups)
     return {"tree": tree, "tokens_per_second": tok / wall,
-            "tau": (tok - n_rows) / max(steps, 1), "outputs": outs}
+            "tau": (tok - n_rows) / max(steps, 1), "plain_step_share": plain / max(steps, 1),
+            "outputs": outs}
 
 
 def tree_tokens(tree) -> int:
@@ -887,6 +960,12 @@ def tree_tokens(tree) -> int:
     if isinstance(tree, dict) and "ngram" in tree:
         return tree_tokens(tree["base"]) + int(tree["ngram"]) + int(tree.get("ds", 0))
     return tree["total_tokens"] if isinstance(tree, dict) else len(tree) + 1
+
+
+def measured_name(m: dict) -> str:
+    """`tree_name` of a measured candidate, with "+plain<B" where it ran with the fallback."""
+    fb = m.get("fallback")
+    return tree_name(m["tree"]) + (f"+plain<{fb[0]:.2f}" if fb else "")
 
 
 def tree_name(tree) -> str:

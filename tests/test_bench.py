@@ -497,3 +497,48 @@ def test_a_sized_tree_falls_back_to_plain_steps_below_its_measured_break_even(
     assert resolve_drafter(tiny_target, "ngram", None)[0].plain_below == pytest.approx(1.2)
     r = spec_jax.generate(tiny_target, [1, 2, 3], 30, chat=False, draft=heads)
     assert r.token_ids == spec_jax.generate(tiny_target, [1, 2, 3], 30, chat=False).token_ids
+
+
+def test_the_sizing_keeps_the_fallback_where_its_run_measured_that_it_pays(
+        tiny_target, tmp_path, monkeypatch):
+    """`choose` takes the best tree's run with the fallback over plain decoding that won unless
+    plain ran faster, and over the same tree without it unless that ran faster by more than the
+    noise margin; generate then runs the chosen tree with that fallback, or without any. A tree
+    that lost to plain gets a prior just above its break-even, so rows probe it now and then."""
+    import spec_jax
+    from spec_jax.generate import resolve_drafter
+    from spec_jax.heads.fallback import FallbackDrafter
+    from spec_jax.sizing import (PLAIN, PROBE_MARGIN, _store, calibration_key, choose,
+                                 chosen_fallback, fallback_point)
+
+    monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
+    tree = [[0], [1]]
+    m = lambda t, tau, *tps, fb=None: {"tree": t, "tau": tau, "tokens_per_second": max(tps),  # noqa: E731
+                                       "runs_tokens_per_second": list(tps),
+                                       **({"fallback": list(fb)} if fb else {})}
+    slow = [m(PLAIN, 1.0, 100.0, 100.0), m(tree, 1.8, 90.0, 90.0)]  # the tree loses to plain
+    point = fallback_point(slow)
+    assert point == pytest.approx((2.0, 2.0 * (1 + PROBE_MARGIN)))  # probes from just above
+    assert fallback_point(slow[:1]) is None and fallback_point(slow[1:]) is None
+    assert choose(slow)["tree"] == PLAIN and chosen_fallback(slow) is None
+    won = slow + [m(tree, 1.3, 101.0, 100.5, fb=point)]
+    assert choose(won)["tree"] == tree and chosen_fallback(won) == pytest.approx(point)
+    lost = slow + [m(tree, 1.1, 98.0, 97.5, fb=point)]
+    assert choose(lost)["tree"] == PLAIN and chosen_fallback(lost) is None
+
+    fast = [m(PLAIN, 1.0, 100.0, 100.0), m(tree, 2.4, 120.0, 120.0)]
+    point = fallback_point(fast)
+    assert point == pytest.approx((2.0, 2.4))  # tau above the break-even: the prior is tau
+    tie = fast + [m(tree, 2.2, 118.0, 117.0, fb=point)]  # inside the 3% margin: the safer bet
+    assert choose(tie).get("fallback") and chosen_fallback(tie) == pytest.approx(point)
+    worse = fast + [m(tree, 2.0, 110.0, 109.0, fb=point)]
+    assert choose(worse)["tree"] == tree and chosen_fallback(worse) is None
+
+    heads = spec_jax.init_draft(tiny_target, "eagle", seed=1, scale=0.3)
+    key = calibration_key(tiny_target, heads, 1)
+    _store(key, {"tree": tree, "fallback": None, "measured": worse})
+    assert not isinstance(resolve_drafter(tiny_target, heads, None)[0], FallbackDrafter)
+    _store(key, {"tree": tree, "measured": won})
+    d = resolve_drafter(tiny_target, heads, None)[0]
+    assert isinstance(d, FallbackDrafter) and d.plain_below == pytest.approx(2.0)
+    assert d.prior == pytest.approx(2.0 * (1 + PROBE_MARGIN))
