@@ -58,13 +58,8 @@ def resolve_drafter(target: Target, draft, tree, batch: int = 1, attn_impl: str 
         return drafter, dparams
     from spec_jax.heads.fallback import FallbackDrafter
 
-    if fallback is True:
-        from spec_jax import sizing
-
-        if not sized:
-            return drafter, dparams  # a tree the caller chose (or a default): as given
-        heads = "ngram" if isinstance(draft, str) else draft
-        point = sizing.cached_break_even(target, heads, batch, datastore, temperature, top_p)
+    if fallback is True:  # the sizing's, for exactly its choice; a tree the caller chose: as given
+        point = sized
     if point is None or point[0] <= 0:
         return drafter, dparams
     return FallbackDrafter(inner=drafter, plain_below=point[0], prior=max(point)), dparams
@@ -89,8 +84,9 @@ def _fallback_point(fallback) -> tuple[float, float] | None:
 
 
 def _resolve(target, draft, tree, batch, attn_impl, datastore, temperature, top_p):
-    """`resolve_drafter` without the fallback: (drafter, dparams, whether it is exactly a cached
-    sizing's choice, whose measured break-even then applies)."""
+    """`resolve_drafter` without the fallback: (drafter, dparams, the (break-even, prior) of the
+    fallback the sizing chose with it where the drafter is exactly a cached sizing's choice, else
+    None)."""
     from spec_jax.heads.graft import split_datastore, split_graft, with_datastore, with_graft
     from spec_jax.heads.ngram import NgramDrafter
     from spec_jax.heads.registry import DraftHeads
@@ -105,21 +101,24 @@ def _resolve(target, draft, tree, batch, attn_impl, datastore, temperature, top_
         if datastore is not None:
             raise SpecJaxError("a datastore drafts beside a drafter: pass draft='ngram' or heads "
                                "(draft=None is plain decoding)")
-        return Drafter(), (), False
+        return Drafter(), (), None
     if datastore is not None:
         datastore.check_target(target)
-    sized = False
+    sized = None
     if isinstance(draft, str) and draft.startswith("ngram"):
         if tree in (None, "auto") and datastore is None:  # sized for this device, as heads are
             from spec_jax import sizing
 
             chosen = sizing.sized_choice(
-                tree, temperature, top_p, lambda t, p: sizing.cached_ngram(target, batch, t, p),
-                lambda: sizing.size_ngram(target, batch=batch, temperature=temperature,
-                                          top_p=top_p)[0])
-            if chosen == sizing.PLAIN:
-                return Drafter(), (), False
-            tree, sized = chosen, chosen is not None
+                tree, temperature, top_p,
+                lambda t, p: sizing.cached_choice(target, "ngram", batch, temperature=t, top_p=p),
+                lambda: sizing.choice_of(sizing.size_ngram(target, batch=batch,
+                                                           temperature=temperature,
+                                                           top_p=top_p)[1]))
+            if chosen is not None:
+                if chosen[0] == sizing.PLAIN:
+                    return Drafter(), (), None
+                tree, sized = chosen
         drafter, dparams = NgramDrafter.from_tree(None if tree == "auto" else tree), ()
     elif isinstance(draft, DraftHeads):
         from spec_jax import sizing
@@ -129,15 +128,19 @@ def _resolve(target, draft, tree, batch, attn_impl, datastore, temperature, top_
         if base in (None, "auto"):
             chosen = sizing.sized_choice(
                 base, temperature, top_p,
-                lambda t, p: sizing.cached_tree(target, draft, batch, datastore, t, p),
-                lambda: sizing.size_tree(target, draft, batch=batch, datastore=datastore,
-                                         temperature=temperature, top_p=top_p)[0])
+                lambda t, p: sizing.cached_choice(target, draft, batch, datastore, t, p),
+                lambda: sizing.choice_of(sizing.size_tree(target, draft, batch=batch,
+                                                          datastore=datastore,
+                                                          temperature=temperature,
+                                                          top_p=top_p)[1]))
+            chosen, point = (None, None) if chosen is None else chosen
             chosen, sized_ds = split_datastore(chosen)
             if ds_n is None and chosen is not None:  # the sizing weighed the datastore: its call
                 ds_n = 0 if chosen == sizing.PLAIN else sized_ds
             # the chosen tree may carry a graft of its own; the caller's +ngram:N wins
             drafter = with_graft(draft.drafter(chosen), graft_n)
-            sized = chosen is not None and not graft_n and (datastore is None or given_ds is None)
+            if chosen is not None and not graft_n and (datastore is None or given_ds is None):
+                sized = point
         else:
             drafter = draft.drafter(tree)
         drafter = drafter.with_attn_impl(attn_impl)

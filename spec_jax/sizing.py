@@ -19,7 +19,10 @@ Sequoia's idea with measured costs, in three measurements:
    of the same top-k, depth and size; and a prediction within 3% of
    the best with a higher tau, see `contenders`) are then run end to end on the calibration
    prompts, and the fastest wins: speculation is chosen only where it measurably
-   pays (a datastore graft must win by more than the host's noise, see `pick_winner`).
+   pays (a datastore graft must win by more than the host's noise, see `pick_winner`). The best
+   speculative candidate also runs with the plain-step fallback (`spec_jax.heads.fallback`) at
+   its measured break-even, and keeps it where that run measured as fast (`choose`): a tree
+   that loses to plain decoding on average may win with it, on the requests it suits.
    Beside fixed trees, switches (spec_jax.heads.switch) of 4, 8 and 16 tokens are weighed: per
    step the tokens go to the head's tree or to an n-gram chain by the length of the context's
    n-gram match, with the policy that accepts most on the profile (`switch_trees`), each step
@@ -135,10 +138,32 @@ def cached_tree(target, heads, batch: int = 1, datastore=None, temperature: floa
     return None if entry is None else entry["tree"]
 
 
+def choice_of(report: dict | None) -> tuple | None:
+    """(tree, fallback) of a sizing report: its chosen tree and the (break-even, prior) of the
+    plain-step fallback it runs with (`chosen_fallback`), or None; None for no report."""
+    if report is None:
+        return None
+    measured = report.get("measured")
+    return report["tree"], chosen_fallback(measured) if measured else None
+
+
+def cached_choice(target, heads, batch: int = 1, datastore=None, temperature: float = 0.0,
+                  top_p: float = 1.0) -> tuple | None:
+    """`choice_of` the cached sizing for these heads ("ngram": the n-gram chain's) here, read
+    from the cache once; None if never sized."""
+    if heads == "ngram":
+        entry = _cache().get(ngram_key(target, batch, temperature, top_p))
+        if entry is not None and entry.get("measured"):
+            entry["tree"] = choose(entry["measured"])["tree"]
+        return choice_of(entry if entry and entry.get("measured") else None)
+    return choice_of(_entry(target, heads, batch, datastore, temperature, top_p))
+
+
 def sized_choice(tree, temperature: float, top_p: float, cached, size):
     """What `tree` None or "auto" stands for: `cached(temperature, top_p)`, the choice sized for
     this sampling setting; without a tree, a sampled setting never sized takes the greedy choice
-    (`cached(0.0, 1.0)`); with "auto", `size()` sizes it now if there is none. None otherwise."""
+    (`cached(0.0, 1.0)`); with "auto", `size()` sizes it now if there is none. None otherwise.
+    A choice is whatever `cached` and `size` return (`cached_choice`: a (tree, fallback) pair)."""
     chosen = cached(temperature, top_p)
     if chosen is None and tree is None and temperature > 0:
         chosen = cached(0.0, 1.0)
@@ -208,20 +233,6 @@ def chosen_fallback(measured: list[dict]) -> tuple[float, float] | None:
         return break_even(measured)
     chosen = choose(measured)
     return tuple(chosen["fallback"]) if chosen.get("fallback") else None
-
-
-def cached_break_even(target, heads, batch: int = 1, datastore=None, temperature: float = 0.0,
-                      top_p: float = 1.0) -> tuple[float, float] | None:
-    """`chosen_fallback` of the cached sizing for these heads ("ngram": the n-gram chain's) here,
-    for this sampling setting or else the greedy one (as `sized_choice` falls back); None if none."""
-    for t, p in ((temperature, top_p), (0.0, 1.0)):
-        if heads == "ngram":
-            entry = _cache().get(ngram_key(target, batch, t, p))
-        else:
-            entry = _entry(target, heads, batch, datastore, t, p)
-        if entry and entry.get("measured"):
-            return chosen_fallback(entry["measured"])
-    return None
 
 
 def verify_key(target, batch: int) -> str:
@@ -758,23 +769,18 @@ def _verify_curve(target, sizes, batch: int) -> dict:
 
 
 def _decide(key: str, measured: list[dict], measure, say, t_start: float, what: str, **report):
-    """Run every candidate a second time (`_second_round`), then the best speculative one twice
-    with the plain-step fallback at its measured break-even (`fallback_point`), `choose`, and
-    store and return (the chosen tree, the sizing report: `report`'s fields with the tree, its
-    fallback (break-even, prior) or None, the measurements and the seconds the sizing took)."""
-    _second_round(measured, measure, say)
+    """After the first round: the best speculative candidate once more, with the plain-step
+    fallback at its measured break-even (`fallback_point`); then every run a second time
+    (`_second_round`); `choose`, and store and return (the chosen tree, the sizing report:
+    `report`'s fields with the tree, its fallback (break-even, prior) or None, the measurements
+    and the seconds the sizing took)."""
     point = fallback_point(measured)
     if point is not None:
         tree = pick_winner([m for m in measured if m["tree"] != PLAIN])["tree"]
-        runs = [measure(tree, point) for _ in range(2)]
-        best = max(runs, key=lambda r: r["tokens_per_second"])
-        measured.append({"tree": tree, "fallback": list(point), "tau": best["tau"],
-                         "plain_step_share": best["plain_step_share"],
-                         "tokens_per_second": best["tokens_per_second"],
-                         "runs_tokens_per_second": [r["tokens_per_second"] for r in runs]})
-        say(f"  {measured_name(measured[-1])}: tau {best['tau']:.2f}, "
-            f"{best['plain_step_share']:.0%} plain steps, {best['tokens_per_second']:.1f} tok/s "
-            f"(best of {', '.join(f'{r:.1f}' for r in measured[-1]['runs_tokens_per_second'])})")
+        run = measure(tree, point)
+        run.pop("outputs", None)
+        measured.append({**run, "fallback": list(point)})
+    _second_round(measured, measure, say)
     winner = choose(measured)
     report = {"tree": winner["tree"], "fallback": winner.get("fallback"), **report,
               "measured": measured, "seconds": time.perf_counter() - t_start}
@@ -788,12 +794,13 @@ def _second_round(measured: list[dict], measure, say) -> None:
     its faster run, so a burst of load on a shared machine during one run does not decide the
     choice."""
     for m in measured:
-        again = measure(m["tree"])
+        again = measure(m["tree"], m.get("fallback") or False)
         m["runs_tokens_per_second"] = [m["tokens_per_second"], again["tokens_per_second"]]
         m["tokens_per_second"] = max(m["runs_tokens_per_second"])
     for m in measured:
         m.pop("outputs", None)
-        say(f"  {tree_name(m['tree'])}: tau {m['tau']:.2f}, {m['tokens_per_second']:.1f} tok/s "
+        share = f", {m['plain_step_share']:.0%} plain steps" if m.get("fallback") else ""
+        say(f"  {measured_name(m)}: tau {m['tau']:.2f}{share}, {m['tokens_per_second']:.1f} tok/s "
             f"(best of {', '.join(f'{x:.1f}' for x in m['runs_tokens_per_second'])})")
 
 

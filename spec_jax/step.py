@@ -241,7 +241,7 @@ def decode(params, dparams, state: LoopState, temperature, top_p, row_max_new, *
         aux = None if ctx.aux_hidden is None else ctx.aux_hidden[:, 0]
         fb = drafter.buffer(fb, ctx.tree.tokens[:, 0], ctx.hidden[:, 0], aux, ctx.root_pos,
                             ctx.active)
-        return jax.lax.cond(fb.n >= drafter.window,
+        return jax.lax.cond(drafter.full(fb),
                             lambda: drafter.flush(dparams, params, cfg, dstate, fb, root),
                             lambda: (dstate, fb))
 

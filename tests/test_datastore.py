@@ -155,7 +155,7 @@ def test_replay_with_both_chains_accepts_the_longest():
 
 def test_sizing_weighs_the_datastore_and_caches_per_datastore(tiny_target, datastore, own_output,
                                                               tmp_path, monkeypatch):
-    from spec_jax.sizing import PLAIN, cached_tree, pick_winner, size_tree, tree_tokens
+    from spec_jax.sizing import PLAIN, cached_tree, choose, size_tree, tree_tokens
 
     monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
     heads = spec_jax.init_draft(tiny_target, "eagle", seed=1, scale=0.3)
@@ -168,7 +168,7 @@ def test_sizing_weighs_the_datastore_and_caches_per_datastore(tiny_target, datas
     assert max(c["tau"] for c in with_ds) > max(c["tau"] for c in report["curve"] if not c["ds"])
     assert any(split_datastore(m["tree"])[1] for m in report["measured"])  # and was run end to end
     assert tree == PLAIN or ("ds" in tree and tree_tokens(tree) <= 8)
-    assert tree == pick_winner(report["measured"])["tree"]
+    assert tree == choose(report["measured"])["tree"]
     assert cached_tree(tiny_target, heads, datastore=datastore) == tree
     assert cached_tree(tiny_target, heads) is None  # sized without a datastore: another entry
     for p in prompts[:2]:  # tree=None takes the cached choice, datastore chain included

@@ -377,7 +377,7 @@ def test_plain_fallback_hands_the_drafter_its_skipped_tokens_at_once(tiny_target
             fb = d.buffer(fb, toks[:, i], fwd.hidden[:, i], None if aux is None else aux[:, 0],
                           jnp.asarray([i]), active)
         chunked, fb = d.flush(dp, tp, cfg, state, fb, toks[:, p + n])
-        assert int(fb.n) == 0 and int(fb.plain[0]) == n
+        assert int(fb.count[0]) == 0 and int(fb.plain[0]) == n
         for a, b in zip(jax.tree.leaves(one_by_one), jax.tree.leaves(chunked)):
             np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                        rtol=1e-5, atol=1e-5, err_msg=method)

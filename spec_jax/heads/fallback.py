@@ -41,8 +41,8 @@ class FallbackState:
     hidden: jax.Array  # [B, W, H] the target's hidden state at each
     aux: Any  # [B, W, n*H] its fused features (EAGLE-3), or None
     pos0: jax.Array  # [B] position of the first buffered token
-    count: jax.Array  # [B] buffered tokens
-    n: jax.Array  # [] plain steps buffered (a row that stopped has fewer tokens)
+    count: jax.Array  # [B] buffered tokens (a row that stopped has fewer: rows never restart, so
+    # each row's tokens are its first count entries, and the plain steps buffered are max(count))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +102,7 @@ class FallbackDrafter(Drafter):
         return FallbackState(
             mean=jnp.full((batch,), self.prior, jnp.float32), plain=zi,
             tok=jnp.zeros((batch, w), jnp.int32), hidden=jnp.zeros((batch, w, h), dtype),
-            aux=jnp.zeros((batch, w, n_aux * h), dtype) if n_aux else None, pos0=zi, count=zi,
-            n=jnp.zeros((), jnp.int32))
+            aux=jnp.zeros((batch, w, n_aux * h), dtype) if n_aux else None, pos0=zi, count=zi)
 
     def wants_tree(self, fb: FallbackState, active):
         """Whether any running row wants a tree step now (a scalar)."""
@@ -116,14 +115,18 @@ class FallbackDrafter(Drafter):
     def buffer(self, fb: FallbackState, root, hidden, aux, pos, active) -> FallbackState:
         """Append one plain step: root [B] at position pos [B], its hidden [B, H] (aux [B, nH])."""
         rows = jnp.arange(root.shape[0])
-        i = jnp.where(active, fb.n, self.window)  # inactive rows: dropped
+        i = jnp.where(active, fb.count, self.window)  # inactive rows: dropped
         put = lambda buf, x: buf.at[rows, i].set(x.astype(buf.dtype), mode="drop")  # noqa: E731
         return fb.replace(
             tok=put(fb.tok, root), hidden=put(fb.hidden, hidden),
             aux=None if fb.aux is None else put(fb.aux, aux),
-            pos0=jnp.where(fb.n == 0, pos, fb.pos0), count=fb.count + active.astype(jnp.int32),
-            n=fb.n + 1, plain=fb.plain + active.astype(jnp.int32),
+            pos0=jnp.where(fb.count == 0, pos, fb.pos0), count=fb.count + active.astype(jnp.int32),
+            plain=fb.plain + active.astype(jnp.int32),
             mean=jnp.where(active, fb.mean + self.relax * (self.prior - fb.mean), fb.mean))
+
+    def full(self, fb: FallbackState):
+        """Whether the buffer holds `window` plain steps (a scalar): time to flush."""
+        return jnp.max(fb.count) >= self.window
 
     def flush(self, dparams, tparams, tcfg, state, fb: FallbackState, bonus):
         """The drafter's state after the buffered plain steps (none: unchanged), and an empty
@@ -143,5 +146,5 @@ class FallbackDrafter(Drafter):
                                 root_pos=fb.pos0, active=fb.count > 0)
             return self.inner.after_verify(dparams, tparams, tcfg, state, ctx)
 
-        state = jax.lax.cond(fb.n > 0, run, lambda s: s, state)
-        return state, fb.replace(count=jnp.zeros_like(fb.count), n=jnp.zeros_like(fb.n))
+        state = jax.lax.cond(jnp.any(fb.count > 0), run, lambda s: s, state)
+        return state, fb.replace(count=jnp.zeros_like(fb.count))
