@@ -207,12 +207,17 @@ def fallback_point(measured: list[dict]) -> tuple[float, float] | None:
     return even, max(best["tau"], even * (1 + PROBE_MARGIN))
 
 
+FALLBACK_ACTED = 0.05  # the least share of plain steps at which a fallback changed anything
+
+
 def choose(measured: list[dict]) -> dict:
     """The sizing's choice from its end-to-end measurements: `pick_winner` among the runs without
     the fallback, unless the best candidate's run with it (the entry with "fallback": [break-even,
     prior]) measured at least as fast as plain decoding that won, or within the noise margin of
     the speculative winner: on a tie the fallback is the safer bet, as it costs little where the
-    drafts fail and keeps the tree where they do not."""
+    drafts fail and keeps the tree where they do not. A fallback that took under FALLBACK_ACTED
+    plain steps on the calibration prompts is not kept: it changed nothing but cost its
+    bookkeeping (~1% with float32 weights, where a tree step costs 1.2 plain steps)."""
     runs = [m for m in measured if not m.get("fallback")]
     winner = pick_winner(runs)
     fb = [m for m in measured if m.get("fallback")]
@@ -221,7 +226,8 @@ def choose(measured: list[dict]) -> dict:
     fb = fb[-1]
     if winner["tree"] == PLAIN:
         return fb if fb["tokens_per_second"] >= winner["tokens_per_second"] else winner
-    ok = fb["tokens_per_second"] * (1 + _margin(measured)) >= winner["tokens_per_second"]
+    ok = (fb["tokens_per_second"] * (1 + _margin(measured)) >= winner["tokens_per_second"]
+          and fb.get("plain_step_share", 1.0) >= FALLBACK_ACTED)
     return fb if ok else winner
 
 

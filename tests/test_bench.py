@@ -517,9 +517,9 @@ def test_the_sizing_keeps_the_fallback_where_its_run_measured_that_it_pays(
 
     monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
     tree = [[0], [1]]
-    m = lambda t, tau, *tps, fb=None: {"tree": t, "tau": tau, "tokens_per_second": max(tps),  # noqa: E731
-                                       "runs_tokens_per_second": list(tps),
-                                       **({"fallback": list(fb)} if fb else {})}
+    m = lambda t, tau, *tps, fb=None, share=0.5: {  # noqa: E731
+        "tree": t, "tau": tau, "tokens_per_second": max(tps), "runs_tokens_per_second": list(tps),
+        **({"fallback": list(fb), "plain_step_share": share} if fb else {})}
     slow = [m(PLAIN, 1.0, 100.0, 100.0), m(tree, 1.8, 90.0, 90.0)]  # the tree loses to plain
     point = fallback_point(slow)
     assert point == pytest.approx((2.0, 2.0 * (1 + PROBE_MARGIN)))  # probes from just above
@@ -537,6 +537,8 @@ def test_the_sizing_keeps_the_fallback_where_its_run_measured_that_it_pays(
     assert choose(tie).get("fallback") and chosen_fallback(tie) == pytest.approx(point)
     worse = fast + [m(tree, 2.0, 110.0, 109.0, fb=point)]
     assert choose(worse)["tree"] == tree and chosen_fallback(worse) is None
+    idle = fast + [m(tree, 2.4, 120.5, 120.0, fb=point, share=0.01)]  # it hardly acted: not kept
+    assert choose(idle)["tree"] == tree and chosen_fallback(idle) is None
 
     heads = spec_jax.init_draft(tiny_target, "eagle", seed=1, scale=0.3)
     key = calibration_key(tiny_target, heads, 1)
