@@ -178,8 +178,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--attn-impl", default="auto", choices=["auto", "xla", "cpu", "pallas", "pallas_interpret"])
     g.add_argument("--no-fallback", action="store_true",
-                   help="with a sized tree, speculate every step (by default a request takes plain "
-                        "steps while its trees accept fewer tokens than they cost)")
+                   help="with a sized tree, speculate every step (by default, where the sizing "
+                        "measured that it pays, a request takes plain steps while its trees accept "
+                        "fewer tokens than they cost)")
     g.add_argument("--json", action="store_true")
     g.set_defaults(fn=cmd_generate)
 

@@ -180,12 +180,12 @@ def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 
     precision: matmul precision of the compiled loop; None is "highest" for float32 targets (on
     GPUs the default TF32 made speculative output drift from plain decoding) and the backend's
     default otherwise; "default" trades that exactness for TF32 speed.
-    fallback: with a sized tree (tree None or "auto"), True takes plain steps for a row while its
-    recent tree steps accept fewer tokens than the sizing's break-even (and probes with a tree
-    step now and then), so speculation does not run much slower than plain decoding where the
-    drafter guesses badly (`spec_jax.heads.fallback`); False never does; a number is the
-    break-even (tokens per tree step) for any tree, a pair (break-even, expected tokens per tree
-    step) both.
+    fallback: with a sized tree (tree None or "auto"), True runs it as the sizing chose: where
+    its calibration measured that plain steps pay, a row takes them while its recent tree steps
+    accept fewer tokens than the measured break-even (and probes with a tree step now and then),
+    so speculation does not run much slower than plain decoding where the drafter guesses badly
+    (`spec_jax.heads.fallback`); False never does; a number is the break-even (tokens per tree
+    step) for any tree, a pair (break-even, expected tokens per tree step) both.
     """
     batch = generate_batch(target, [prompt], max_new_tokens, temperature=temperature, top_p=top_p,
                            seed=[seed], chat=chat, draft=draft, tree=tree, attn_impl=attn_impl,
