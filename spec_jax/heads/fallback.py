@@ -3,13 +3,15 @@
 A tree step costs more than a one-token step (on a 2-core CPU, a 4-token verify and its draft
 about 1.8x a plain step), so speculation pays only where enough tokens are accepted per step: on
 SmolLM2's MT-bench answers the sized 4-token tree ran 1.37x plain on `extraction` and 0.82x on
-`humanities` (docs/bench/run44). A `FallbackDrafter` wraps the sized drafter with the break-even
-acceptance `plain_below` (the sizing's measured step time of the tree over a plain step's, in
-plain steps) and the tree's measured acceptance `prior`. Each row keeps a running mean of the
-tokens its tree steps accepted, starting at the prior; below the break-even the row wants plain
-steps, and while it takes them its mean drifts back toward the prior (nothing was observed), so
-it probes with a tree step again after a while: soon after a near miss, later after a run of bad
-steps. The loop (`spec_jax.step.decode`) runs a tree step when any running row wants one, else a
+`humanities` (docs/bench/run44). A `FallbackDrafter` wraps the sized drafter, where the sizing
+measured that it pays (`spec_jax.sizing.choose`), with the break-even acceptance `plain_below`
+(the sizing's measured step time of the tree over a plain step's, in plain steps) and a `prior`:
+the tree's measured acceptance, or just above the break-even where that is lower (a tree that
+loses to plain decoding on average, kept for the requests it suits). Each row keeps a running
+mean of the tokens its tree steps accepted, starting at the prior; below the break-even the row
+wants plain steps, and while it takes them its mean drifts back toward the prior (nothing was
+observed), so it probes with a tree step again after a while: soon after a near miss, later
+after a run of bad steps. The loop (`spec_jax.step.decode`) runs a tree step when any running row wants one, else a
 plain step.
 
 The drafter's state must follow every committed token. Plain steps do not run it: they buffer
