@@ -11,8 +11,8 @@ loses to plain decoding on average, kept for the requests it suits). Each row ke
 mean of the tokens its tree steps accepted, starting at the prior; below the break-even the row
 wants plain steps, and while it takes them its mean drifts back toward the prior (nothing was
 observed), so it probes with a tree step again after a while: soon after a near miss, later
-after a run of bad steps. The loop (`spec_jax.step.decode`) runs a tree step when any running row wants one, else a
-plain step.
+after a run of bad steps. The loop (`spec_jax.step.decode`) runs a tree step when any running
+row wants one, else a plain step.
 
 The drafter's state must follow every committed token. Plain steps do not run it: they buffer
 each step's token, target hidden state and position, and the next tree step (or a full buffer of
