@@ -23,8 +23,8 @@ import numpy as np
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.graft import split_datastore, uses_datastore
 from spec_jax.heads.switch import as_switch
-from spec_jax.sizing import (PLAIN, measured_name, size_ngram, size_tree, tree_name, tree_tokens,
-                             verify_latency)
+from spec_jax.sizing import (PLAIN, choice_name, choice_of, measured_name, size_ngram, size_tree,
+                             tree_name, tree_tokens, verify_latency)
 
 
 @dataclasses.dataclass
@@ -368,10 +368,8 @@ def _curve_table(report) -> str:
     lines += ["", "| measured end to end | τ | tok/s |", "|---|---|---|"]
     for m in report["measured"]:
         lines.append(f"| {measured_name(m)} | {m['tau']:.2f} | {m['tokens_per_second']:.1f} |")
-    fb = report.get("fallback")
-    lines.append(f"\nchosen: {tree_name(report['tree'])}" + (f"+plain<{fb[0]:.2f}" if fb else "")
-                 + f" (profile over {report['profile_positions']} "
-                 f"positions, {report['seconds']:.0f} s)")
+    lines.append(f"\nchosen: {choice_name(*choice_of(report))} (profile over "
+                 f"{report['profile_positions']} positions, {report['seconds']:.0f} s)")
     return "\n".join(lines)
 
 

@@ -77,16 +77,14 @@ def cmd_demo(a):
         print(f"fetching SmolLM2-135M-Instruct into {model} ...", flush=True)
         fetch("smollm2-135m-instruct", model, force=model.exists())
     target = spec_jax.load_target(model)
-    from spec_jax.sizing import size_ngram, size_tree, tree_name
+    from spec_jax.sizing import choice_name, choice_of, size_ngram, size_tree
 
-    name = lambda tree, report: tree_name(tree) + (  # noqa: E731
-        f"+plain<{report['fallback'][0]:.2f}" if report.get("fallback") else "")
-    chain, report = size_ngram(target)  # measured on first use, then cached; may be plain
-    drafts = [("plain", None), (f"n-gram ({name(chain, report)})", "ngram")]
+    _, report = size_ngram(target)  # measured on first use, then cached; may be plain
+    drafts = [("plain", None), (f"n-gram ({choice_name(*choice_of(report))})", "ngram")]
     if Path(a.draft).is_dir():
         heads = spec_jax.load_draft(a.draft)
-        tree, report = size_tree(target, heads)  # measured on first use, then cached
-        drafts.append((f"{heads.method} ({name(tree, report)})", heads))
+        _, report = size_tree(target, heads)  # measured on first use, then cached
+        drafts.append((f"{heads.method} ({choice_name(*choice_of(report))})", heads))
     else:
         print(f"(no trained heads at {a.draft}; showing plain and n-gram decoding)")
     for prompt in DEMO_PROMPTS:

@@ -120,10 +120,14 @@ def calibration_key(target, heads, batch: int, datastore=None, temperature: floa
 
 
 def _entry(target, heads, batch: int, datastore=None, temperature: float = 0.0, top_p: float = 1.0):
-    """The cached sizing report for these heads (and datastore) here, or None. Its choice is
-    re-decided from its stored measurements, so entries written before `pick_winner`'s noise rule
-    follow it too."""
-    entry = _cache().get(calibration_key(target, heads, batch, datastore, temperature, top_p))
+    """The cached sizing report for these heads (and datastore) here, or None (`_decided`)."""
+    return _decided(calibration_key(target, heads, batch, datastore, temperature, top_p))
+
+
+def _decided(key: str):
+    """The cached sizing report under `key`, or None. Its choice is re-decided from its stored
+    measurements (`choose`), so entries written before the current rules follow them too."""
+    entry = _cache().get(key)
     if entry is not None and entry.get("measured"):
         entry["tree"] = choose(entry["measured"])["tree"]
     return entry
@@ -152,9 +156,7 @@ def cached_choice(target, heads, batch: int = 1, datastore=None, temperature: fl
     """`choice_of` the cached sizing for these heads ("ngram": the n-gram chain's) here, read
     from the cache once; None if never sized."""
     if heads == "ngram":
-        entry = _cache().get(ngram_key(target, batch, temperature, top_p))
-        if entry is not None and entry.get("measured"):
-            entry["tree"] = choose(entry["measured"])["tree"]
+        entry = _decided(ngram_key(target, batch, temperature, top_p))
         return choice_of(entry if entry and entry.get("measured") else None)
     return choice_of(_entry(target, heads, batch, datastore, temperature, top_p))
 
@@ -188,6 +190,12 @@ def break_even(measured: list[dict]) -> tuple[float, float] | None:
 PROBE_MARGIN = 0.03  # a fallback's prior at least this far above its break-even: it probes
 
 
+def _best_speculative(measured: list[dict]) -> dict | None:
+    """`pick_winner` among the speculative runs without the fallback; None if there are none."""
+    spec = [m for m in measured if m["tree"] != PLAIN and not m.get("fallback")]
+    return pick_winner(spec) if spec else None
+
+
 def fallback_point(measured: list[dict]) -> tuple[float, float] | None:
     """(break-even, prior) of the plain-step fallback (`spec_jax.heads.fallback`) for the best
     speculative candidate measured (`pick_winner` among them): the tokens its tree step must accept
@@ -197,11 +205,8 @@ def fallback_point(measured: list[dict]) -> tuple[float, float] | None:
     prompts may still win on a request that repeats its context, and only a tree step now and
     then finds that out. None without a speculative or a plain measurement."""
     plain = [m for m in measured if m["tree"] == PLAIN]
-    spec = [m for m in measured if m["tree"] != PLAIN and not m.get("fallback")]
-    if not plain or not spec:
-        return None
-    best = pick_winner(spec)
-    if best["tokens_per_second"] <= 0:
+    best = _best_speculative(measured)
+    if not plain or best is None or best["tokens_per_second"] <= 0:
         return None
     even = best["tau"] * plain[0]["tokens_per_second"] / best["tokens_per_second"]
     return even, max(best["tau"], even * (1 + PROBE_MARGIN))
@@ -782,8 +787,7 @@ def _decide(key: str, measured: list[dict], measure, say, t_start: float, what: 
     and the seconds the sizing took)."""
     point = fallback_point(measured)
     if point is not None:
-        tree = pick_winner([m for m in measured if m["tree"] != PLAIN])["tree"]
-        run = measure(tree, point)
+        run = measure(_best_speculative(measured)["tree"], point)
         run.pop("outputs", None)
         measured.append({**run, "fallback": list(point)})
     _second_round(measured, measure, say)
@@ -822,8 +826,8 @@ def ngram_key(target, batch: int, temperature: float = 0.0, top_p: float = 1.0) 
 
 def cached_ngram(target, batch: int = 1, temperature: float = 0.0, top_p: float = 1.0):
     """The cached n-gram choice here (PLAIN or a chain's paths), or None if never sized."""
-    entry = _cache().get(ngram_key(target, batch, temperature, top_p))
-    return None if not entry or not entry.get("measured") else choose(entry["measured"])["tree"]
+    chosen = cached_choice(target, "ngram", batch, temperature=temperature, top_p=top_p)
+    return None if chosen is None else chosen[0]
 
 
 def size_ngram(target, prompts=None, batch: int = 1, max_new_tokens: int = CALIBRATION_TOKENS,
@@ -976,9 +980,13 @@ def tree_tokens(tree) -> int:
 
 
 def measured_name(m: dict) -> str:
-    """`tree_name` of a measured candidate, with "+plain<B" where it ran with the fallback."""
-    fb = m.get("fallback")
-    return tree_name(m["tree"]) + (f"+plain<{fb[0]:.2f}" if fb else "")
+    """`choice_name` of a measured candidate (with the fallback it ran with, if any)."""
+    return choice_name(m["tree"], m.get("fallback"))
+
+
+def choice_name(tree, fallback=None) -> str:
+    """`tree_name`, with "+plain<B" for a plain-step fallback below the break-even B."""
+    return tree_name(tree) + (f"+plain<{fallback[0]:.2f}" if fallback else "")
 
 
 def tree_name(tree) -> str:
