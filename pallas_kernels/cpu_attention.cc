@@ -11,7 +11,8 @@
 // softmaxes run lane-parallel (one lane each), and with AVX-512 several of them share each value
 // row they sum (verifying 8 tokens: 1.5x the speed of one query at a time, docs/benchmarks.md).
 // A prefill's long causal block is scored only up to each item's last visible key and summed in
-// the shared pass.
+// the shared pass. Past 256 keys a query's keys are split by rank into windows, each a partial
+// softmax, merged in order (`kChunk`): decoding one row gets more work items than KV heads.
 //
 // A query's result depends only on the keys it sees, in order (valid cache slots, then visible
 // block keys): each score is four FMA chains over D in a fixed order, each key's weight lands in
@@ -305,65 +306,119 @@ void weighted_lanes(const float* e, const float* const* v, int64_t nc, int64_t n
   }
 }
 
+// A query's keys are split by rank (its n-th visible key, cache slots first) into windows of
+// kChunk: each window is its own work item (a partial softmax: max, sum, weighted values), and
+// windows are merged in order afterwards. The windows depend only on ranks, so a query's bits
+// still do not depend on T or on the other queries; a query with at most kChunk keys gets the
+// unsplit result. Why: decoding has one item per (row, KV head), 3 for SmolLM2, which leave a
+// thread of two idle half the time (3 heads cost what 4 did) and a many-core host mostly idle.
+constexpr int64_t kChunk = 256;  // a multiple of kL: a key's sum lane (rank % 16) stays its own
+
 struct AttnJob {
   const float *q, *kc, *vc, *kn, *vn;
   const bool *valid, *mask;
   const int32_t* length;
   float* out;
-  int64_t B, T, H, KVH, S, N, D, G, TC;
+  int64_t B, T, H, KVH, S, N, D, G, TC, TCH;
   float scale;
-  spec_jax::Claims claims;  // one item per (row, KV head, chunk of block positions)
+  std::vector<int64_t> first;   // [B + 1]: the first item of row b
+  std::vector<int64_t> chunks;  // [B]: key windows of row b (those past its keys stay empty)
+  std::vector<char> dense;      // [B]: every slot below the row's length is valid
+  std::vector<std::vector<int32_t>> visible;  // [B]: else its valid slots below length, in order
+  bool split = false;           // an item per window (else per row, KV head and block chunk)
+  mutable std::vector<float> part;  // split: [items][kL][D + 3], each window's partials
+  spec_jax::Claims claims;
 
   struct Scratch {
-    std::vector<float> qt, sc, p, acc, vis;
+    std::vector<float> qt, sc, p, acc, vis, part;
     std::vector<const float*> rows, vrows;
     std::vector<int64_t> blk;
+    bool resume = false, qt_done = false;  // windows of one item in turn: the scan position and qt carry over
+    int64_t cur_n[kL], cur_k[kL];
   };
 
-  // All G query heads of KV head `kvh` at block positions [t0, t0 + TC) of row b: R <= 16
-  // queries, one per lane.
-  void item(int64_t i, Scratch& w) const {
-    const int64_t chunks = (T + TC - 1) / TC;
-    const int64_t b = i / (KVH * chunks), kvh = (i / chunks) % KVH, t0 = (i % chunks) * TC;
+  // Keys of ranks [lo, hi) (window c) of the queries of KV head `kvh` at block positions
+  // [t0, t0 + TC) of row b (R <= 16 queries, one per lane): the result into `out` where the row
+  // has one window, else the window's partials into `part` ([kL][D + 3]: acc, max, sum, keys?).
+  void window(int64_t b, int64_t kvh, int64_t tc, int64_t c, Scratch& w, float* part) const {
+    const int64_t nch = chunks[b], t0 = tc * TC;
+    const int64_t lo = c * kChunk, hi = nch == 1 ? INT64_MAX : lo + kChunk;
     const int64_t nt = std::min(TC, T - t0), R = nt * G;
     const int64_t len = std::clamp<int64_t>(length[b], 0, S);
-    std::fill(w.qt.begin(), w.qt.end(), 0.f);
-    for (int64_t r = 0; r < R; ++r) {  // as score_rows takes them: [D / 4][query][4]
-      const float* qr = q + ((b * T + t0 + r / G) * H + kvh * G + r % G) * D;
-      for (int64_t d = 0; d < D; ++d) w.qt[(d / 4) * 4 * kL + 4 * r + d % 4] = qr[d];
-    }
     const float* kcb = kc + (b * KVH + kvh) * S * D;
     const float* vcb = vc + (b * KVH + kvh) * S * D;
+    const bool* mrow = mask + (b * T + t0) * N;  // [nt][N]
     auto blk_row = [&](const float* base, int64_t n) { return base + ((b * N + n) * KVH + kvh) * D; };
 
-    // Scores of the visible cache slots (shared by the item's queries) in order, then of the
-    // block keys up to the last one any of the item's queries sees (for a causal prefill's items,
-    // about half of them): sc[j][lane].
-    const bool* mrow = mask + (b * T + t0) * N;  // [nt][N]
-    int64_t nb = 0;
-    for (int64_t t = 0; t < nt; ++t)
-      for (int64_t n = N - 1; n >= nb; --n)
-        if (mrow[t * N + n]) {
-          nb = n + 1;
-          break;
-        }
+    // the window's cache keys (visible slots of rank lo..hi-1) and the rank of the first block key
     w.rows.clear();
     w.vrows.clear();
-    const bool* vrow = valid + b * S;
-    for (int64_t s = 0; s < len; ++s)
-      if (vrow[s]) {
-        w.rows.push_back(kcb + s * D);
-        w.vrows.push_back(vcb + s * D);
-      }
+    const std::vector<int32_t>& slots = visible[b];  // empty: every slot below len is valid
+    const int64_t rank0 = dense[b] ? len : static_cast<int64_t>(slots.size());  // cache keys
+    for (int64_t j = lo, e = std::min(rank0, hi); j < e; ++j) {
+      const int64_t s = dense[b] ? j : slots[j];
+      w.rows.push_back(kcb + s * D);
+      w.vrows.push_back(vcb + s * D);
+    }
     const int64_t nc = w.rows.size();
-    for (int64_t n = 0; n < nb; ++n) w.rows.push_back(blk_row(kn, n));
-    score_all(w.rows.data(), nc + nb, D, R, w.qt.data(), scale, w.sc.data());
+    // block keys in the window: query t's k-th visible one has rank rank0 + k, so those of
+    // ranks [lo, hi) are its visible keys in [kfirst[t], klast[t]); n0 .. nb-1 spans them all
+    int64_t n0 = N, nb = 0;
+    int64_t kfirst[kL], klast[kL];  // per query: its keys in the window, [kfirst, klast)
+    for (int64_t t = 0; t < nt; ++t) {
+      kfirst[t] = klast[t] = 0;
+      // where the scan starts: block key 0 at rank rank0, or where the previous window of
+      // this query stopped (windows in turn: a long block is scanned once, not once a window)
+      int64_t n = 0, k = rank0;
+      if (c > 0 && w.resume) {
+        n = w.cur_n[t];
+        k = w.cur_k[t];
+      }
+      if (rank0 < hi) {
+        const bool* mt = mrow + t * N;
+        for (; n < N && k < lo; ++n) k += mt[n];
+        int64_t f = -1, l = -1;
+        for (; n < N && k < hi; ++n)
+          if (mt[n]) {
+            if (f < 0) f = n;
+            l = n + 1;
+            ++k;
+          }
+        if (f >= 0) {
+          kfirst[t] = f;
+          klast[t] = l;
+          n0 = std::min(n0, f);
+          nb = std::max(nb, l);
+        }
+      }
+      w.cur_n[t] = n;
+      w.cur_k[t] = k;
+    }
+    if (nb <= n0) n0 = nb = 0;
+    const int64_t nbw = nb - n0;  // block keys scored: n0 .. nb-1
+    if (nch > 1 && nc == 0 && nbw == 0) {  // nothing of this window: an empty partial
+      for (int64_t r = 0; r < kL; ++r) part[r * (D + 3) + D + 2] = 0.f;
+      return;
+    }
+    if (!(w.resume && w.qt_done)) {  // the queries as score_rows takes them: [D / 4][query][4]
+      w.qt_done = true;
+      std::fill(w.qt.begin(), w.qt.end(), 0.f);
+      for (int64_t r = 0; r < R; ++r) {
+        const float* qr = q + ((b * T + t0 + r / G) * H + kvh * G + r % G) * D;
+        for (int64_t d = 0; d < D; ++d) w.qt[(d / 4) * 4 * kL + 4 * r + d % 4] = qr[d];
+      }
+    }
+
+    // Scores of the window's cache keys (shared by the item's queries) in order, then of the
+    // block keys n0 .. nb-1 (for a causal prefill's items, about half of them): sc[j][lane].
+    for (int64_t n = n0; n < nb; ++n) w.rows.push_back(blk_row(kn, n));
+    score_all(w.rows.data(), nc + nbw, D, R, w.qt.data(), scale, w.sc.data());
 
     // Softmax of all R queries at once, one per lane (sc holds [key][lane]): per lane the
     // same operations in the same order as one query alone, so bits do not depend on R.
     const float* sc = w.sc.data();
     int64_t cnt[kL];
-    w.blk.clear();  // visible (block key, lane) pairs, by key
+    w.blk.clear();  // visible (block key - n0, lane) pairs of the window, by key
     v16 m = v16{} - INFINITY;
     for (int64_t j = 0; j < nc; ++j) {
       const v16 x = load(sc + j * kL);
@@ -372,10 +427,11 @@ struct AttnJob {
     float mm[kL];
     store(mm, m);
     for (int64_t r = 0; r < kL; ++r) cnt[r] = r < R ? nc : 0;
-    float* vis = w.vis.data();  // [nb][16]: 1 where the lane sees the block key
-    for (int64_t n = 0; n < nb; ++n)
+    float* vis = w.vis.data();  // [nbw][16]: 1 where the lane sees the block key in this window
+    for (int64_t n = 0; n < nbw; ++n)
       for (int64_t r = 0; r < kL; ++r) {
-        const bool seen = r < R && mrow[(r / G) * N + n];
+        const int64_t t = r / G, nn = n0 + n;
+        const bool seen = r < R && mrow[t * N + nn] && nn >= kfirst[t] && nn < klast[t];
         vis[n * kL + r] = seen ? 1.f : 0.f;
         if (seen) {
           mm[r] = std::max(mm[r], sc[(nc + n) * kL + r]);
@@ -385,14 +441,15 @@ struct AttnJob {
       }
     // A long, mostly visible block (a causal prefill) joins the shared pass over value rows; a
     // draft tree's few, sparsely visible keys go lane by lane.
-    const bool shared = nb > kL && 2 * static_cast<int64_t>(w.blk.size()) >= nb * R;
+    const bool shared = nbw > kL && 2 * static_cast<int64_t>(w.blk.size()) >= nbw * R;
     if (shared)
-      for (int64_t n = 0; n < nb; ++n) w.vrows.push_back(blk_row(vn, n));
+      for (int64_t n = 0; n < nbw; ++n) w.vrows.push_back(blk_row(vn, n0 + n));
     for (int64_t r = 0; r < kL; ++r)
       if (cnt[r] == 0) mm[r] = 0.f;  // nothing visible (or an unused lane): no inf - inf
     m = load(mm);
     // e = exp(score - max) of every key; each lane's weights summed in lane (rank % 16), in
-    // rank order, then folded in a fixed tree (classes 8, 4, 2, 1 apart).
+    // rank order, then folded in a fixed tree (classes 8, 4, 2, 1 apart). A window starts at a
+    // multiple of 16, so ranks counted from it give the same classes.
     float* e = w.p.data();
     float* sums = w.acc.data() + D * kL;  // [16 classes][16 lanes]
     std::fill(sums, sums + kL * kL, 0.f);
@@ -401,38 +458,101 @@ struct AttnJob {
       store(e + j * kL, x);
       store(sums + (j % kL) * kL, load(sums + (j % kL) * kL) + x);
     }
-    for (int64_t n = 0; n < nb; ++n)  // unseen: 0 (a select: an unseen score's exp may overflow)
+    for (int64_t n = 0; n < nbw; ++n)  // unseen: 0 (a select: an unseen score's exp may overflow)
       store(e + (nc + n) * kL, load(vis + n * kL) > 0.f ? vexp(load(sc + (nc + n) * kL) - m) : v16{});
     int64_t rank[kL];
     for (int64_t r = 0; r < kL; ++r) rank[r] = nc;
-    for (int64_t i : w.blk) {
-      const int64_t n = i / kL, r = i % kL;
+    for (int64_t x : w.blk) {
+      const int64_t n = x / kL, r = x % kL;
       sums[(rank[r]++ % kL) * kL + r] += e[(nc + n) * kL + r];
     }
     for (int64_t half = kL / 2; half > 0; half /= 2)
-      for (int64_t c = 0; c < half; ++c)
-        store(sums + c * kL, load(sums + c * kL) + load(sums + (c + half) * kL));
-    // out = sum_j e_j v_j / l, each element one FMA chain over the lane's keys in rank order
+      for (int64_t cl = 0; cl < half; ++cl)
+        store(sums + cl * kL, load(sums + cl * kL) + load(sums + (cl + half) * kL));
+    // acc = sum_j e_j v_j, each element one FMA chain over the lane's keys in rank order
     float* acc = w.acc.data();  // [16 lanes][D]
-    weighted_lanes(e, w.vrows.data(), nc, nb, shared, w.blk, [&](int64_t n) { return blk_row(vn, n); }, R, D,
-                   acc);
+    weighted_lanes(e, w.vrows.data(), nc, nbw, shared, w.blk,
+                   [&](int64_t n) { return blk_row(vn, n0 + n); }, R, D, acc);
+    if (nch == 1) {  // out = acc / sum
+      for (int64_t r = 0; r < R; ++r) {
+        const float l = cnt[r] ? sums[r] : 0.f;
+        const float inv = l > 0.f ? 1.f / l : 0.f;  // nothing visible (padding): zeros
+        float* o = out + ((b * T + t0 + r / G) * H + kvh * G + r % G) * D;
+        for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
+      }
+      return;
+    }
+    for (int64_t r = 0; r < kL; ++r) {
+      float* pr = part + r * (D + 3);
+      if (r < R && cnt[r]) {
+        std::copy(acc + r * D, acc + (r + 1) * D, pr);
+        pr[D] = mm[r];
+        pr[D + 1] = sums[r];
+        pr[D + 2] = 1.f;
+      } else {
+        pr[D + 2] = 0.f;
+      }
+    }
+  }
+
+  // The windows of (row b, KV head kvh, block chunk tc), merged in order: out = sum_c w_c acc_c
+  // / sum_c w_c l_c with w_c = exp(max_c - max). A query whose keys fill one window gets w = 1:
+  // acc * (1 / l), its bits as unsplit. parts: [chunks[b]][kL][D + 3].
+  void merge(int64_t b, int64_t kvh, int64_t tc, const float* parts) const {
+    const int64_t nch = chunks[b], t0 = tc * TC, R = std::min(TC, T - t0) * G;
     for (int64_t r = 0; r < R; ++r) {
-      const float l = cnt[r] ? sums[r] : 0.f;
-      const float inv = l > 0.f ? 1.f / l : 0.f;  // nothing visible (padding): zeros
+      float mx = -INFINITY;
+      for (int64_t c = 0; c < nch; ++c) {
+        const float* pr = parts + (c * kL + r) * (D + 3);
+        if (pr[D + 2] > 0.f) mx = std::max(mx, pr[D]);
+      }
       float* o = out + ((b * T + t0 + r / G) * H + kvh * G + r % G) * D;
-      for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
+      std::fill(o, o + D, 0.f);
+      float l = 0.f;
+      for (int64_t c = 0; c < nch; ++c) {
+        const float* pr = parts + (c * kL + r) * (D + 3);
+        if (pr[D + 2] == 0.f) continue;
+        const float wc = std::exp(pr[D] - mx);
+        l += pr[D + 1] * wc;
+        for (int64_t d = 0; d < D; ++d) o[d] += pr[d] * wc;
+      }
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  }
+
+  // Item i: with `split`, one window (decoding and verifying few rows: the windows are the
+  // parallel work, merged after all items); else all windows of one (row, KV head, block chunk),
+  // merged here (a prefill, or a batch: rows and block chunks are work enough).
+  void item(int64_t i, Scratch& w) const {
+    const int64_t b = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
+    const int64_t nch = chunks[b], local = i - first[b];
+    if (split) {
+      const int64_t g = local / nch;
+      window(b, g / TCH, g % TCH, local % nch, w, part.data() + i * kL * (D + 3));
+    } else if (nch == 1) {
+      window(b, local / TCH, local % TCH, 0, w, nullptr);
+    } else {
+      w.part.resize(nch * kL * (D + 3));
+      w.resume = true;
+      w.qt_done = false;
+      for (int64_t c = 0; c < nch; ++c)
+        window(b, local / TCH, local % TCH, c, w, w.part.data() + c * kL * (D + 3));
+      w.resume = false;
+      merge(b, local / TCH, local % TCH, w.part.data());
     }
   }
 
   void drain() {
     Scratch w;
+    const int64_t keys = std::min<int64_t>(S, kChunk) + N;  // a window's cache keys + block keys
     w.qt.resize(D * kL);
-    w.sc.resize((S + N) * kL);
-    w.p.resize((S + N) * kL);
+    w.sc.resize(keys * kL);
+    w.p.resize(keys * kL);
     w.acc.resize(D * kL + kL * kL);
     w.vis.resize(N * kL);
-    w.rows.reserve(S + N);
-    w.vrows.reserve(S + N);
+    w.rows.reserve(keys);
+    w.vrows.reserve(keys);
     w.blk.reserve(N * kL);
     claims.drain([&](int64_t c) { item(c, w); });
   }
@@ -472,9 +592,41 @@ ffi::Error TreeAttention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buf
   job->N = nd[1];
   job->G = job->H / job->KVH;
   job->TC = std::max<int64_t>(1, std::min<int64_t>(job->T, kL / job->G));  // <= 16 lanes
+  job->TCH = (job->T + job->TC - 1) / job->TC;
   job->scale = scale;
-  job->claims.total = job->B * job->KVH * ((job->T + job->TC - 1) / job->TC);
+  // windows per row: enough for its slots below length and every block key (an upper bound on
+  // any query's keys); a row whose keys fit one window runs unsplit
+  job->first.assign(job->B + 1, 0);
+  job->chunks.assign(job->B, 1);
+  job->dense.assign(job->B, 1);
+  job->visible.resize(job->B);
+  bool any_split = false;
+  for (int64_t b = 0; b < job->B; ++b) {
+    const int64_t len = std::clamp<int64_t>(job->length[b], 0, job->S);
+    const bool* vrow = job->valid + b * job->S;
+    if (std::find(vrow, vrow + len, false) != vrow + len) {
+      job->dense[b] = 0;
+      for (int64_t s = 0; s < len; ++s)
+        if (vrow[s]) job->visible[b].push_back(static_cast<int32_t>(s));
+    }
+    job->chunks[b] = std::max<int64_t>(1, (len + job->N + kChunk - 1) / kChunk);
+    any_split |= job->chunks[b] > 1;
+  }
+  // windows as items of their own only where (row, KV head, block chunk) items are too few to
+  // keep the threads busy (decoding SmolLM2: 3 KV heads on 2 threads)
+  const int64_t groups = job->B * job->KVH * job->TCH;
+  job->split = any_split && groups < 2 * spec_jax::pool_threads(pool);
+  for (int64_t b = 0; b < job->B; ++b)
+    job->first[b + 1] = job->first[b] + job->KVH * job->TCH * (job->split ? job->chunks[b] : 1);
+  if (job->split) job->part.resize(job->first[job->B] * kL * (job->D + 3));
+  job->claims.total = job->first[job->B];
   spec_jax::run_shared(pool, job);
+  if (job->split)
+    for (int64_t b = 0; b < job->B; ++b)
+      if (job->chunks[b] > 1)
+        for (int64_t g = 0; g < job->KVH * job->TCH; ++g)
+          job->merge(b, g / job->TCH, g % job->TCH,
+                     job->part.data() + (job->first[b] + g * job->chunks[b]) * kL * (job->D + 3));
   return ffi::Error::Success();
 }
 

@@ -42,24 +42,44 @@ def test_draft_buffer_wider_than_block_and_nothing_visible():
     np.testing.assert_allclose(out[seen], ref[seen], atol=2e-6, rtol=0)
 
 
-@pytest.mark.parametrize("t", [6, 40])
-def test_cache_and_block_keys_give_identical_bits(t):
+@pytest.mark.parametrize("t,start,s", [(6, 20, 64), (40, 20, 64), (6, 253, 300), (40, 230, 300)])
+def test_cache_and_block_keys_give_identical_bits(t, start, s):
     """Verifying a chain over the block equals decoding it token by token from the cache; so does
     a long causal block (a prefill's), whose value rows the kernel sums for several queries at
-    once instead of query by query."""
-    b, kvh, g, d, s = 1, 3, 3, 64, 64
-    q, kc, vc, _, _, kn, vn, _ = make_inputs(b, t, kvh, g, d, s, [20], jnp.float32, 7)
+    once instead of query by query. Past 256 keys a query's keys are split into windows of 256
+    by rank (decoding: each window a work item of its own; a long block: windows in turn), here
+    with the window boundary inside the block."""
+    b, kvh, g, d = 1, 3, 3, 64
+    q, kc, vc, _, _, kn, vn, _ = make_inputs(b, t, kvh, g, d, s, [start], jnp.float32, 7)
     valid = jnp.ones((b, s), bool)
     causal = jnp.tril(jnp.ones((t, t), bool))[None]
-    tree = np.asarray(attend(q, kc, vc, valid, jnp.asarray([20]), kn, vn, causal, impl="cpu"))
-    ref = tree_attention_reference(q, kc, vc, valid, jnp.asarray([20]), kn, vn, causal)
+    tree = np.asarray(attend(q, kc, vc, valid, jnp.asarray([start]), kn, vn, causal, impl="cpu"))
+    ref = tree_attention_reference(q, kc, vc, valid, jnp.asarray([start]), kn, vn, causal)
     np.testing.assert_allclose(tree, np.asarray(ref), atol=2e-6, rtol=0)
-    for i in range(t):  # token i decoded alone: tokens < i already committed to slots 20..
-        kc_i = kc.at[:, :, 20:20 + i].set(kn[:, :i].transpose(0, 2, 1, 3))
-        vc_i = vc.at[:, :, 20:20 + i].set(vn[:, :i].transpose(0, 2, 1, 3))
-        one = attend(q[:, i:i + 1], kc_i, vc_i, valid, jnp.asarray([20 + i]), kn[:, i:i + 1],
+    for i in range(t):  # token i decoded alone: tokens < i already committed to slots start..
+        kc_i = kc.at[:, :, start:start + i].set(kn[:, :i].transpose(0, 2, 1, 3))
+        vc_i = vc.at[:, :, start:start + i].set(vn[:, :i].transpose(0, 2, 1, 3))
+        one = attend(q[:, i:i + 1], kc_i, vc_i, valid, jnp.asarray([start + i]), kn[:, i:i + 1],
                      vn[:, i:i + 1], jnp.ones((b, 1, 1), bool), impl="cpu")
         np.testing.assert_array_equal(np.asarray(one)[:, 0], tree[:, i])
+
+
+def test_a_row_gets_the_same_bits_alone_or_in_a_batch_past_one_window():
+    """Alone, a long row's windows run as separate work items and merge afterwards; in a batch
+    (work enough) each item merges its own windows in turn: the same bits, with holes in the
+    cache (slots not valid, counted out of the ranks) or without."""
+    b, t, kvh, g, d, s = 4, 4, 3, 3, 64, 900
+    q, kc, vc, valid, length, kn, vn, _ = make_inputs(b, t, kvh, g, d, s, [700, 300, 257, 40],
+                                                      jnp.float32, 11)
+    valid = valid.at[2].set(True)  # rows 0, 1 and 3 have holes; row 2 is dense
+    mask = jnp.asarray(np.tril(np.random.default_rng(1).random((b, t, t)) < 0.7) | np.eye(t, dtype=bool))
+    batch = np.asarray(attend(q, kc, vc, valid, length, kn, vn, mask, impl="cpu"))
+    ref = np.asarray(tree_attention_reference(q, kc, vc, valid, length, kn, vn, mask))
+    np.testing.assert_allclose(batch, ref, atol=2e-6, rtol=0)
+    for r in range(b):
+        alone = attend(q[r:r + 1], kc[r:r + 1], vc[r:r + 1], valid[r:r + 1], length[r:r + 1],
+                       kn[r:r + 1], vn[r:r + 1], mask[r:r + 1], impl="cpu")
+        np.testing.assert_array_equal(np.asarray(alone)[0], batch[r])
 
 
 @pytest.mark.parametrize("g,d", [(3, 64), (4, 32), (2, 128), (5, 16), (1, 48)])
