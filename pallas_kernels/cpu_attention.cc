@@ -10,9 +10,10 @@
 // against up to 16 queries of its KV head at once (four vector lanes each, `score_rows`); their
 // softmaxes run lane-parallel (one lane each), and with AVX-512 several of them share each value
 // row they sum (verifying 8 tokens: 1.5x the speed of one query at a time, docs/benchmarks.md).
-// A prefill's long causal block is scored only up to each item's last visible key and summed in
-// the shared pass. Past 256 keys a query's keys are split by rank into windows, each a partial
-// softmax, merged in order (`kChunk`): decoding one row gets more work items than KV heads.
+// A prefill's long causal block is scored only up to each item's last visible key, and the block
+// keys all of an item's queries see go with the cache keys (vector-wide, not lane by lane). Past
+// 256 keys a query's keys are split by rank into windows, each a partial softmax, merged in order
+// (`kChunk`): decoding one row gets more work items than KV heads.
 //
 // A query's result depends only on the keys it sees, in order (valid cache slots, then visible
 // block keys): each score is four FMA chains over D in a fixed order, each key's weight lands in
@@ -360,7 +361,7 @@ struct AttnJob {
       w.rows.push_back(kcb + s * D);
       w.vrows.push_back(vcb + s * D);
     }
-    const int64_t nc = w.rows.size();
+    int64_t nc = w.rows.size();  // grows by the block keys every query sees first (below)
     // block keys in the window: query t's k-th visible one has rank rank0 + k, so those of
     // ranks [lo, hi) are its visible keys in [kfirst[t], klast[t]); n0 .. nb-1 spans them all
     int64_t n0 = N, nb = 0;
@@ -395,7 +396,19 @@ struct AttnJob {
       w.cur_k[t] = k;
     }
     if (nb <= n0) n0 = nb = 0;
-    const int64_t nbw = nb - n0;  // block keys scored: n0 .. nb-1
+    // Block keys every query sees, from the first any sees (a causal prefill's keys before its
+    // queries, a tree's root, the key a decoding step adds): each query's next keys in rank
+    // order alike, so they go with the cache keys, summed and weighed vector-wide rather than
+    // lane by lane (the same operations per lane, so the same bits).
+    for (; n0 < nb; ++n0, ++nc) {
+      bool all = true;
+      for (int64_t t = 0; t < nt && all; ++t)
+        all = mrow[t * N + n0] && n0 >= kfirst[t] && n0 < klast[t];
+      if (!all) break;
+      w.rows.push_back(blk_row(kn, n0));
+      w.vrows.push_back(blk_row(vn, n0));
+    }
+    const int64_t nbw = nb - n0;  // block keys scored lane by lane: n0 .. nb-1
     if (nch > 1 && nc == 0 && nbw == 0) {  // nothing of this window: an empty partial
       for (int64_t r = 0; r < kL; ++r) part[r * (D + 3) + D + 2] = 0.f;
       return;
@@ -410,7 +423,7 @@ struct AttnJob {
     }
 
     // Scores of the window's cache keys (shared by the item's queries) in order, then of the
-    // block keys n0 .. nb-1 (for a causal prefill's items, about half of them): sc[j][lane].
+    // other block keys n0 .. nb-1 (for a causal prefill's items, the diagonal): sc[j][lane].
     for (int64_t n = n0; n < nb; ++n) w.rows.push_back(blk_row(kn, n));
     score_all(w.rows.data(), nc + nbw, D, R, w.qt.data(), scale, w.sc.data());
 
