@@ -334,13 +334,28 @@ struct AttnJob {
     std::vector<float> qt, sc, p, acc, vis, part;
     std::vector<const float*> rows, vrows;
     std::vector<int64_t> blk;
-    bool resume = false, qt_done = false;  // windows of one item in turn: the scan position and qt carry over
+    bool resume = false;  // an item's windows in turn: its queries (qt) and scan position carry over
     int64_t cur_n[kL], cur_k[kL];
   };
 
+  // Query r (lane r) of KV head kvh at block positions from t0 of row b: its row in q and out.
+  int64_t qrow(int64_t b, int64_t t0, int64_t kvh, int64_t r) const {
+    return ((b * T + t0 + r / G) * H + kvh * G + r % G) * D;
+  }
+
+  // The item's R queries into w.qt as score_rows takes them: [D / 4][query][4].
+  void load_queries(int64_t b, int64_t kvh, int64_t t0, int64_t R, Scratch& w) const {
+    std::fill(w.qt.begin(), w.qt.end(), 0.f);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* qr = q + qrow(b, t0, kvh, r);
+      for (int64_t d = 0; d < D; ++d) w.qt[(d / 4) * 4 * kL + 4 * r + d % 4] = qr[d];
+    }
+  }
+
   // Keys of ranks [lo, hi) (window c) of the queries of KV head `kvh` at block positions
   // [t0, t0 + TC) of row b (R <= 16 queries, one per lane): the result into `out` where the row
-  // has one window, else the window's partials into `part` ([kL][D + 3]: acc, max, sum, keys?).
+  // has one window, else the window's partials into `part` ([kL][D + 3]: acc, max, sum, and 1
+  // where the lane has keys in the window, else 0).
   void window(int64_t b, int64_t kvh, int64_t tc, int64_t c, Scratch& w, float* part) const {
     const int64_t nch = chunks[b], t0 = tc * TC;
     const int64_t lo = c * kChunk, hi = nch == 1 ? INT64_MAX : lo + kChunk;
@@ -413,14 +428,7 @@ struct AttnJob {
       for (int64_t r = 0; r < kL; ++r) part[r * (D + 3) + D + 2] = 0.f;
       return;
     }
-    if (!(w.resume && w.qt_done)) {  // the queries as score_rows takes them: [D / 4][query][4]
-      w.qt_done = true;
-      std::fill(w.qt.begin(), w.qt.end(), 0.f);
-      for (int64_t r = 0; r < R; ++r) {
-        const float* qr = q + ((b * T + t0 + r / G) * H + kvh * G + r % G) * D;
-        for (int64_t d = 0; d < D; ++d) w.qt[(d / 4) * 4 * kL + 4 * r + d % 4] = qr[d];
-      }
-    }
+    if (!w.resume) load_queries(b, kvh, t0, R, w);
 
     // Scores of the window's cache keys (shared by the item's queries) in order, then of the
     // other block keys n0 .. nb-1 (for a causal prefill's items, the diagonal): sc[j][lane].
@@ -490,7 +498,7 @@ struct AttnJob {
       for (int64_t r = 0; r < R; ++r) {
         const float l = cnt[r] ? sums[r] : 0.f;
         const float inv = l > 0.f ? 1.f / l : 0.f;  // nothing visible (padding): zeros
-        float* o = out + ((b * T + t0 + r / G) * H + kvh * G + r % G) * D;
+        float* o = out + qrow(b, t0, kvh, r);
         for (int64_t d = 0; d < D; ++d) o[d] = acc[r * D + d] * inv;
       }
       return;
@@ -519,7 +527,7 @@ struct AttnJob {
         const float* pr = parts + (c * kL + r) * (D + 3);
         if (pr[D + 2] > 0.f) mx = std::max(mx, pr[D]);
       }
-      float* o = out + ((b * T + t0 + r / G) * H + kvh * G + r % G) * D;
+      float* o = out + qrow(b, t0, kvh, r);
       std::fill(o, o + D, 0.f);
       float l = 0.f;
       for (int64_t c = 0; c < nch; ++c) {
@@ -546,13 +554,13 @@ struct AttnJob {
     } else if (nch == 1) {
       window(b, local / TCH, local % TCH, 0, w, nullptr);
     } else {
+      const int64_t kvh = local / TCH, tc = local % TCH;
       w.part.resize(nch * kL * (D + 3));
+      load_queries(b, kvh, tc * TC, std::min(TC, T - tc * TC) * G, w);
       w.resume = true;
-      w.qt_done = false;
-      for (int64_t c = 0; c < nch; ++c)
-        window(b, local / TCH, local % TCH, c, w, w.part.data() + c * kL * (D + 3));
+      for (int64_t c = 0; c < nch; ++c) window(b, kvh, tc, c, w, w.part.data() + c * kL * (D + 3));
       w.resume = false;
-      merge(b, local / TCH, local % TCH, w.part.data());
+      merge(b, kvh, tc, w.part.data());
     }
   }
 
