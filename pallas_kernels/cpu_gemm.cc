@@ -27,7 +27,9 @@ namespace {
 
 // Tiles of TB rows x a whole panel keep TB * kNV accumulators, kNV weight vectors and a broadcast
 // in vector registers. AVX-512 (32 registers of 16 floats): panels of 32 columns, up to 8 rows
-// per tile. AVX2 (16 registers of 8 floats): panels of 16 columns, up to 6 rows per tile (the
+// per tile for codes and 12 for float32 (`kTopOf`: 12 tokens ran as an 8- and a 4-row tile and
+// cost 1.4x one token's forward; in one tile their FMAs fit under the weight stream again,
+// 1.25x). AVX2 (16 registers of 8 floats): panels of 16 columns, up to 6 rows per tile (the
 // classic 6 x 16 tile, 12 + 2 + 1 registers). A 16-column panel row is one cache line, so every
 // tile reads its panel in one sequential pass; with 32-column panels AVX2 had to take 4 rows in
 // two column halves, each a strided pass, and reached 22 GB/s instead of 34. Vector types wider
@@ -44,6 +46,10 @@ constexpr int kVec = 16, kPanel = 32, kTop = 8, kPrefetch = 32;
 constexpr int kVec = 8, kPanel = 16, kTop = 6, kPrefetch = 16;
 #endif
 constexpr int kNV = kPanel / kVec;  // vectors per panel row
+// Rows per full tile: float32 panels take 12 on AVX-512 (24 accumulators), codes keep 8 (their
+// per-block sums double the accumulators), AVX2 keeps 6.
+template <typename W>
+constexpr int kTopOf = std::is_same_v<W, float> && kTop == 8 ? 12 : kTop;
 typedef float vec __attribute__((vector_size(kVec * sizeof(float))));
 typedef float vec_u __attribute__((vector_size(kVec * sizeof(float)), aligned(4), may_alias));
 
@@ -145,6 +151,13 @@ inline void tile(const float* __restrict x, int64_t K, const W* __restrict panel
       }
       vec wv[NV];
       load_row(w, wv);
+      if constexpr (std::is_same_v<W, float>) {
+        // Keep the row in registers: for 2-4 rows GCC otherwise folds the load into every row's
+        // FMA, loading each weight vector TB times, and 4 rows were load-bound (127 against 200
+        // GFLOP/s for a cached [576, 3072] matrix).
+#pragma GCC unroll 16
+        for (int v = 0; v < NV; ++v) asm("" : "+v"(wv[v]));
+      }
 #pragma GCC unroll 16
       for (int t = 0; t < TB; ++t) {
         const float xs = x[t * K + k];
@@ -171,8 +184,8 @@ inline void tile(const float* __restrict x, int64_t K, const W* __restrict panel
     for (int v = 0; v < NV; ++v) *reinterpret_cast<vec_u*>(y + t * N + v * kVec) = acc[t][v];
 }
 
-// n (< kTop) rows against a whole panel, in one tile of n rows.
-template <typename W, int TB = kTop - 1>
+// n (< kTopOf<W>) rows against a whole panel, in one tile of n rows.
+template <typename W, int TB = kTopOf<W> - 1>
 inline void rest(int n, const float* x, int64_t K, const W* panel, const uint16_t* scales,
                  const float* xsum, float* y, int64_t N) {
   if constexpr (TB > 0) {
@@ -189,7 +202,8 @@ template <typename W>
 void panels(const float* x, int64_t R, int64_t K, const W* w, const uint16_t* scales,
             const float* xsum, int64_t N, float* y, int64_t p0, int64_t p1) {
   const int64_t blocks = K / kBlock;
-  const int64_t block = std::max<int64_t>(kTop, kRowBytes / (K * 4) / kTop * kTop);
+  constexpr int kT = kTopOf<W>;
+  const int64_t block = std::max<int64_t>(kT, kRowBytes / (K * 4) / kT * kT);
   for (int64_t r0 = 0; r0 < R; r0 += block) {
     const int64_t r1 = std::min(R, r0 + block);
     for (int64_t p = p0; p < p1; ++p) {
@@ -198,8 +212,8 @@ void panels(const float* x, int64_t R, int64_t K, const W* w, const uint16_t* sc
       float* yp = y + p * kPanel;
       int64_t r = r0;
       const float* xs = xsum ? xsum + r * blocks : nullptr;
-      for (; r + kTop <= r1; r += kTop, xs += xs ? kTop * blocks : 0)
-        tile<kTop>(x + r * K, K, panel, ps, xs, yp + r * N, N);
+      for (; r + kT <= r1; r += kT, xs += xs ? kT * blocks : 0)
+        tile<kT>(x + r * K, K, panel, ps, xs, yp + r * N, N);
       if (r < r1) rest(static_cast<int>(r1 - r), x + r * K, K, panel, ps, xs, yp + r * N, N);
     }
   }

@@ -88,7 +88,7 @@ CALIBRATION_TOKENS = 256
 TREE_SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 GRAFT_DEPTHS = (2, 4, 8, 16)  # n-gram chains tried on top of each tree (spec_jax.heads.graft)
 DS_DEPTHS = (4, 8)  # datastore chains tried too, when sizing with a datastore
-SWITCH_SIZES = (4, 8, 16)  # tree tokens of the switches weighed (spec_jax.heads.switch)
+SWITCH_SIZES = (4, 8, 12, 16)  # tree tokens of the switches weighed (spec_jax.heads.switch)
 PLAIN = "plain"
 
 
@@ -676,7 +676,7 @@ def size_tree(target, heads, prompts=None, batch: int = 1,
     seqs, plens = _continuations(target, groups, measured[0].pop("outputs"))
     ranks = rank_profile(target, heads, seqs, plens, profile_depth(heads))
     trees = best_trees(ranks, sizes)
-    verify = _verify_curve(target, {1, 2, 4, 8, 16, 32, 64} & set(range(1, max(sizes) + 1))
+    verify = _verify_curve(target, {1, 2, 4, 8, 12, 16, 32, 64} & set(range(1, max(sizes) + 1))
                            | {max(sizes)}, batch)
     depths = sorted({max(len(p) for p in t["paths"]) for t in trees})
     draft = {d: draft_latency(target, heads, StaticTree.chain(d), batch) for d in depths}
