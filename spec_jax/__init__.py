@@ -1,5 +1,6 @@
 """spec_jax: speculative decoding with in-model draft heads (EAGLE-1/2/3, Medusa, MTP) in JAX."""
 from spec_jax._xla import apply_defaults as _apply_xla_defaults
+from spec_jax._xla import enable_compilation_cache
 
 _apply_xla_defaults()
 
@@ -30,5 +31,6 @@ def load_datastore(path):
     return _load(path)
 
 
-__all__ = ["GenerationResult", "ModelConfig", "SpecJaxError", "Target", "generate", "generate_batch",
-           "init_draft", "load_datastore", "load_draft", "load_target", "random_target"]
+__all__ = ["GenerationResult", "ModelConfig", "SpecJaxError", "Target", "enable_compilation_cache",
+           "generate", "generate_batch", "init_draft", "load_datastore", "load_draft", "load_target",
+           "random_target"]

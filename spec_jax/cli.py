@@ -286,6 +286,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if argv is None and args.cmd not in ("fetch", "convert"):
+        # a real command line: compiled programs go to disk for the next run (tests pass argv
+        # and keep their process's JAX settings as they are)
+        from spec_jax._xla import enable_compilation_cache
+
+        enable_compilation_cache()
     try:
         args.fn(args)
     except SpecJaxError as e:

@@ -59,7 +59,9 @@ def save_params(path: Path, params, dtype: str | None = None) -> None:
         ckptr.save(Path(path).absolute(), params)
 
 
-def load_params(path: Path):
+def load_params(path: Path, skip=None):
+    """The parameter tree saved at `path`, without the entries whose "/"-joined paths are in
+    `skip` (those are not read from disk)."""
     import orbax.checkpoint as ocp
 
     path = Path(path).absolute()
@@ -72,5 +74,18 @@ def load_params(path: Path):
         # heads served on a GPU) names devices that are not here
         here = jax.sharding.SingleDeviceSharding(jax.devices()[0])
         target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here), tree)
-        restored = ckptr.restore(path, target)
+        if not skip:
+            restored = ckptr.restore(path, target)
+    if skip:
+        target = _without(target, set(skip))
+        args = jax.tree.map(lambda s: ocp.ArrayRestoreArgs(sharding=s.sharding, global_shape=s.shape,
+                                                           dtype=s.dtype), target)
+        with ocp.PyTreeCheckpointer() as ckptr:
+            restored = ckptr.restore(path, args=ocp.args.PyTreeRestore(
+                item=target, restore_args=args, partial_restore=True))
     return jax.tree.map(jnp.asarray, restored)  # device arrays, not host numpy
+
+
+def _without(tree: dict, skip: set, prefix: str = "") -> dict:
+    return {k: _without(v, skip, f"{prefix}{k}/") if isinstance(v, dict) else v
+            for k, v in tree.items() if f"{prefix}{k}" not in skip}

@@ -14,6 +14,7 @@ import numpy as np
 
 from spec_jax.config import ModelConfig
 from spec_jax.errors import SpecJaxError
+from spec_jax.io import load_params, read_meta
 
 
 @dataclasses.dataclass(eq=False)
@@ -126,26 +127,46 @@ def load_target(path: str | Path, dtype: str | None = None, layers: str = "auto"
     panels: the same results to float32 rounding, more bytes to read) or "auto" (packed on CPU
     when the kernel builds and the weights are float32, else unrolled on CPU; scan elsewhere). A
     packed layout with codes is cached for the next load (`packed_cached`)."""
-    from spec_jax.io import load_params, read_meta
-
     path = Path(path)
     meta = read_meta(path, "target", "create one with `spec-jax fetch smollm2-135m-instruct` "
                      "or `spec-jax convert --hf DIR --out DIR`")
     cfg = ModelConfig.from_dict(meta["config"])
-    params = load_params(path / "params")
-    if dtype is not None and dtype != cfg.dtype:
-        params = jax.tree.map(lambda a: a.astype(jnp.dtype(dtype)), params)
+    convert = dtype is not None and dtype != cfg.dtype
+    if convert:
         cfg = dataclasses.replace(cfg, dtype=dtype)
-    if resolve_layers(cfg, layers) == "packed":
+    layout = resolve_layers(cfg, layers)
+    cached = _packed_cache_read(path) if layout == "packed" and not convert else None
+    # on a packed-cache hit the float32 matrices it holds as codes are not read at all
+    params = load_params(path / "params", skip=cached and _packed_cache_covers(cached))
+    if convert:
+        params = jax.tree.map(lambda a: a.astype(jnp.dtype(dtype)), params)
+    if cached is not None:
+        params = _from_arrays(params, cached)
+    elif layout == "packed":
         params = packed_cached(path, params, cfg)
     else:
         params = arrange_layers(params, cfg, layers)
-    tokenizer = None
-    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
-        from transformers import AutoTokenizer
+    return Target(cfg=cfg, params=params, tokenizer=load_tokenizer(path), path=path)
 
-        tokenizer = AutoTokenizer.from_pretrained(str(path))
-    return Target(cfg=cfg, params=params, tokenizer=tokenizer, path=path)
+
+def load_tokenizer(path: Path):
+    """The checkpoint's Hugging Face tokenizer, or None where it has none. A tokenizer whose
+    class is the generic fast one (SmolLM2's) is built as that class directly: AutoTokenizer
+    builds the same object but first imports the model configurations, and with them PyTorch
+    where it is installed (2.6 against 0.8 s here)."""
+    if not ((path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file()):
+        return None
+    try:
+        cls = json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class")
+    except (OSError, ValueError):
+        cls = None
+    if cls == "PreTrainedTokenizerFast" and (path / "tokenizer.json").is_file():
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(str(path))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
 
 
 def resolve_layers(cfg: ModelConfig, layers: str = "auto") -> str:
@@ -205,27 +226,18 @@ def _packed_cache_key(path: Path) -> str:
 
 
 def packed_cached(path: Path, params, cfg: ModelConfig):
-    """`arrange_layers(params, cfg, "packed")`, read from a cache beside the other compiled things
-    ($SPEC_JAX_CACHE/packed/, one file per checkpoint folder) when the checkpoint, the packing code
+    """`arrange_layers(params, cfg, "packed")`, written to a cache beside the other compiled things
+    ($SPEC_JAX_CACHE/packed/, one file per checkpoint folder) that `load_target` reads back
+    (`_packed_cache_read`, before it loads the parameters) while the checkpoint, the packing code
     and the kernel build are the ones it was written for. Only targets with exact weight codes
     are cached (finding the codes is most of a load: 3.7 of 7.4 s for SmolLM2; their file is 98 MB
     against 540 MB of float32 panels)."""
     from pallas_kernels.cpu_gemm import PackedWeight, available
-    from spec_jax.convert.fetch import cache_dir
 
     if not available():
         return arrange_layers(params, cfg, "packed")  # says why it cannot
     path = Path(path)
-    key = _packed_cache_key(path)
-    file = cache_dir() / "packed" / (hashlib.sha256(str(path.resolve()).encode()).hexdigest()[:16]
-                                     + ".npz")
-    if file.is_file():
-        try:
-            with np.load(file) as z:
-                if str(z["key"]) == key:
-                    return _from_arrays(params, {k: z[k] for k in z.files if k != "key"})
-        except Exception:  # noqa: BLE001 — unreadable (or from another layout): packed afresh below
-            pass
+    key, file = _packed_cache_key(path), _packed_cache_file(path)
     packed = arrange_layers(params, cfg, "packed")
     if not _has_codes(packed):
         return packed
@@ -247,6 +259,43 @@ def packed_cached(path: Path, params, cfg: ModelConfig):
     finally:
         tmp.unlink(missing_ok=True)
     return packed
+
+
+def _packed_cache_file(path: Path) -> Path:
+    from spec_jax.convert.fetch import cache_dir
+
+    return cache_dir() / "packed" / (hashlib.sha256(str(Path(path).resolve()).encode())
+                                     .hexdigest()[:16] + ".npz")
+
+
+def _packed_cache_read(path: Path) -> dict | None:
+    """The arrays `packed_cached` stored for this checkpoint, where they are still its current
+    packing (same files, packing code and kernel build), else None."""
+    from pallas_kernels.cpu_gemm import available
+
+    file = _packed_cache_file(path)
+    if not (available() and file.is_file()):
+        return None
+    try:
+        with np.load(file) as z:
+            if str(z["key"]) == _packed_cache_key(Path(path)):
+                return {k: z[k] for k in z.files if k != "key"}
+    except Exception:  # noqa: BLE001 — unreadable (or from another layout): packed afresh
+        pass
+    return None
+
+
+def _packed_cache_covers(arrays: dict) -> set:
+    """Parameter paths ("layers/wq", "lm_head") that the cached arrays replace in every layer."""
+    from spec_jax.models.llama import FUSED_KEYS
+
+    per_layer: dict[str, set] = {}
+    for k in arrays:
+        if k.startswith("layers/") and k.endswith("/panels"):
+            _, i, name, _ = k.split("/")
+            per_layer.setdefault(i, set()).update(FUSED_KEYS.get(name, (name,)))
+    covered = set.intersection(*per_layer.values()) if per_layer else set()
+    return {f"layers/{k}" for k in covered} | ({"lm_head"} if "lm_head/panels" in arrays else set())
 
 
 def _from_arrays(params, arrays: dict):

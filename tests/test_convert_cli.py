@@ -140,3 +140,62 @@ def test_cli_bench_writes_its_table_and_each_run_as_it_ends(smollm2, tmp_path, c
     assert [(r["method"], r["category"]) for r in runs] == [
         ("plain", "a"), ("ngram", "a"), ("plain", "b"), ("ngram", "b")]
     assert {p.name for p in out.iterdir()} >= {"results.json", "results.md", "runs.jsonl"}
+
+
+def test_the_tokenizer_is_the_one_autotokenizer_builds(smollm2, tmp_path):
+    """load_target builds a generic fast tokenizer directly (not through AutoTokenizer, which
+    imports PyTorch first): the same ids, chat template, special tokens and decoding."""
+    from transformers import AutoTokenizer
+
+    ck = _tiny_checkpoint_with_smollm2_tokenizer(tmp_path)
+    ours, auto = spec_jax.load_target(ck).tokenizer, AutoTokenizer.from_pretrained(str(ck))
+    assert type(ours) is type(auto)
+    for text in ["hello", "  two  spaces\nand a line", "émoji 🚀", "<|im_start|>user\nhi<|im_end|>", ""]:
+        assert ours(text)["input_ids"] == auto(text)["input_ids"]
+        chat = [{"role": "user", "content": text}]
+        assert (ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+                == auto.apply_chat_template(chat, add_generation_prompt=True, tokenize=True))
+    ids = auto("hello world")["input_ids"] + [auto.eos_token_id, 1]
+    assert ours.decode(ids, skip_special_tokens=True) == auto.decode(ids, skip_special_tokens=True)
+    assert (ours.eos_token_id, ours.pad_token_id) == (auto.eos_token_id, auto.pad_token_id)
+
+
+def test_the_cli_keeps_compiled_programs_for_the_next_run(smollm2, tmp_path):
+    """A command-line `generate` stores its compiled programs under $SPEC_JAX_CACHE/xla and the
+    next run, which loads them, prints the same tokens; SPEC_JAX_XLA_CACHE=0 stores none."""
+    import os
+    import subprocess
+    import sys
+
+    ck = _tiny_checkpoint_with_smollm2_tokenizer(tmp_path)
+    cmd = [sys.executable, "-m", "spec_jax.cli", "generate", "--model", str(ck), "--prompt",
+           "hello", "--max-new-tokens", "6", "--json", "--draft", "ngram"]
+
+    def run(cache, **env):
+        env = {**os.environ, "SPEC_JAX_CACHE": str(cache), "SPEC_JAX_CPU_KERNELS": "0", **env}
+        res = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        return json.loads(res.stdout)["token_ids"]
+
+    first = run(tmp_path / "cache")
+    stored = list((tmp_path / "cache" / "xla").rglob("*"))
+    assert any(p.is_file() for p in stored)
+    assert run(tmp_path / "cache") == first
+    assert run(tmp_path / "off", SPEC_JAX_XLA_CACHE="0") == first
+    assert not (tmp_path / "off" / "xla").exists()
+
+
+def test_enabling_the_compilation_cache_keeps_a_folder_already_set(tmp_path, monkeypatch):
+    import jax
+
+    from spec_jax import enable_compilation_cache
+
+    before = jax.config.jax_compilation_cache_dir
+    try:
+        jax.config.update("jax_compilation_cache_dir", str(tmp_path / "mine"))
+        assert enable_compilation_cache() == str(tmp_path / "mine")
+        jax.config.update("jax_compilation_cache_dir", None)
+        monkeypatch.setenv("SPEC_JAX_XLA_CACHE", "0")
+        assert enable_compilation_cache() is None and jax.config.jax_compilation_cache_dir is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)

@@ -211,9 +211,14 @@ def test_packed_codes_are_cached_per_checkpoint_and_repacked_when_it_changes(tmp
     ids = np.arange(3, 40) % 96
     fresh = spec_jax.load_target(ckpt)
     assert fresh.weight_codes and len(list((tmp_path / "cache" / "packed").glob("*.npz"))) == 1
-    real = target_mod.arrange_layers
+    real, real_load = target_mod.arrange_layers, target_mod.load_params
     monkeypatch.setattr(target_mod, "arrange_layers", lambda *a, **k: pytest.fail("not cached"))
+    read = []
+    monkeypatch.setattr(target_mod, "load_params",
+                        lambda *a, **k: read.append(real_load(*a, **k)) or read[-1])
     cached = spec_jax.load_target(ckpt)
+    # the matrices the cache holds as codes are not read from the checkpoint again
+    assert set(read[0]["layers"]) == {"attn_norm", "mlp_norm"} and "embed" in read[0]
     assert jax.tree.structure(cached.params) == jax.tree.structure(fresh.params)
     for a, b in zip(jax.tree.leaves(cached.params), jax.tree.leaves(fresh.params)):
         assert a.dtype == b.dtype
