@@ -190,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("distill", help="self-distillation data: the target answers train prompts")
     s.add_argument("--model", default=str(DEFAULT_MODEL))
-    s.add_argument("--data", default="../shared/data/train")
+    s.add_argument("--data", default="../shared/data/train",
+                   help="a folder of prompt files, or `self`: the target writes the prompts too "
+                        "(sampled after its chat template's user-turn header)")
     s.add_argument("--out", required=True)
     s.add_argument("--num-prompts", type=int, default=1000)
     s.add_argument("--max-new-tokens", type=int, default=160)

@@ -23,7 +23,7 @@ Sequoia's idea with measured costs, in three measurements:
    speculative candidate also runs with the plain-step fallback (`spec_jax.heads.fallback`) at
    its measured break-even, and keeps it where that run measured as fast (`choose`): a tree
    that loses to plain decoding on average may win with it, on the requests it suits.
-   Beside fixed trees, switches (spec_jax.heads.switch) of 4, 8 and 16 tokens are weighed: per
+   Beside fixed trees, switches (spec_jax.heads.switch) of 4, 8, 12 and 16 tokens are weighed: per
    step the tokens go to the head's tree or to an n-gram chain by the length of the context's
    n-gram match, with the policy that accepts most on the profile (`switch_trees`), each step
    charged the draft depth of the arm it chooses (`switch_draft_seconds`); the best predicted

@@ -199,3 +199,31 @@ def test_enabling_the_compilation_cache_keeps_a_folder_already_set(tmp_path, mon
         assert enable_compilation_cache() is None and jax.config.jax_compilation_cache_dir is None
     finally:
         jax.config.update("jax_compilation_cache_dir", before)
+
+
+def test_distill_with_prompts_the_target_writes(smollm2, tmp_path):
+    """`distill --data self`: the target writes each prompt after its chat template's user-turn
+    header (Magpie), then answers it; prompt i depends only on (seed, i), so a set extended in
+    two runs holds what one run writes, and its manifest says where the prompts came from."""
+    from spec_jax.errors import SpecJaxError
+    from spec_jax.train.distill import load_distill, self_prompts, user_turn_prefix
+
+    ck = _tiny_checkpoint_with_smollm2_tokenizer(tmp_path)
+    target = spec_jax.load_target(ck)
+    prefix = user_turn_prefix(target)
+    assert target.encode("hello")[:len(prefix)] == prefix
+    assert target.decode(prefix).endswith("user\n")
+    args = ["distill", "--model", str(ck), "--data", "self", "--max-new-tokens", "4",
+            "--batch-size", "2"]
+    assert main(args + ["--out", str(tmp_path / "a"), "--num-prompts", "2"]) == 0
+    assert main(args + ["--out", str(tmp_path / "a"), "--num-prompts", "3"]) == 0
+    seqs, plens, manifest = load_distill(tmp_path / "a")
+    assert (manifest["samples"], manifest["mix"], manifest["prompt_source"]) == (3, "self", "self")
+    assert (manifest["prompt_temperature"], manifest["prompt_max_tokens"]) == (1.0, 96)
+    prompts = self_prompts(target, 0, 3, seed=0, batch_size=3)
+    assert [p.text for p in prompts[1:]] == [p.text for p in self_prompts(target, 1, 2, 0, 2)]
+    for p, s, n in zip(prompts, seqs, plens):
+        assert p.text and s[:n].tolist() == target.encode(p.text)
+    target.tokenizer.chat_template = None
+    with pytest.raises(SpecJaxError, match="chat template"):
+        user_turn_prefix(target)

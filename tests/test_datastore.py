@@ -203,10 +203,12 @@ def test_shipped_distilled_sets_agree_with_the_shipped_datastore():
     root = Path(__file__).resolve().parent.parent / "checkpoints"
     sets = sorted((root / "smollm2-135m-instruct-distill").glob("*-*-*"))
     assert sets, "checkpoints/smollm2-135m-instruct-distill/ holds no sets"
-    for d in sets:  # balanced-<start>-<end>: greedy, seed 0; sampled-<start>-<end>: temperature > 0
+    for d in sets:  # balanced-<start>-<end>: greedy, seed 0; sampled-<start>-<end>: temperature
+        # > 0; self-<start>-<end>: greedy answers to prompts the target wrote (`--data self`)
         seqs, plens, m = load_distill(d)
         kind, lo, hi = d.name.split("-")
-        assert (m["start"], m["samples"], m["mix"]) == (int(lo), int(hi) - int(lo), "balanced")
+        mix = "self" if kind == "self" else "balanced"
+        assert (m["start"], m["samples"], m["mix"]) == (int(lo), int(hi) - int(lo), mix)
         assert (m["temperature"] > 0) == (kind == "sampled"), d.name
         assert m["response_tokens"] == sum(len(s) - p for s, p in zip(seqs, plens))
     seqs, plens, _ = load_distill(root / "smollm2-135m-instruct-distill" / "balanced-0-3072")
