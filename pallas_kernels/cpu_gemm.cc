@@ -194,27 +194,40 @@ inline void rest(int n, const float* x, int64_t K, const W* panel, const uint16_
   }
 }
 
-// All R rows against panels [p0, p1): rows in blocks of at most kRowBytes of x (one block for
-// decoding and verification), so that a prefill's rows stay in cache while the chunk's panels
-// stream past them.
+// Which rows of x [R, K] a call computes: all of them, or (`seg`, a prefill's prompt lengths)
+// the first seg[s] of each of nseg equal segments (R = nseg * len), a padded prompt's real tokens.
+struct Rows {
+  const int32_t* seg = nullptr;
+  int64_t nseg = 1, len = 0;
+  int64_t begin(int64_t s) const { return s * len; }
+  int64_t end(int64_t s) const {
+    return s * len + (seg ? std::clamp<int64_t>(seg[s], 0, len) : len);
+  }
+};
+
+// The rows `rows` selects against panels [p0, p1): in blocks of at most kRowBytes of x (one
+// block for decoding and verification), so that a prefill's rows stay in cache while the chunk's
+// panels stream past them.
 constexpr int64_t kRowBytes = 256 << 10;
 template <typename W>
-void panels(const float* x, int64_t R, int64_t K, const W* w, const uint16_t* scales,
+void panels(const float* x, const Rows& rows, int64_t K, const W* w, const uint16_t* scales,
             const float* xsum, int64_t N, float* y, int64_t p0, int64_t p1) {
   const int64_t blocks = K / kBlock;
   constexpr int kT = kTopOf<W>;
   const int64_t block = std::max<int64_t>(kT, kRowBytes / (K * 4) / kT * kT);
-  for (int64_t r0 = 0; r0 < R; r0 += block) {
-    const int64_t r1 = std::min(R, r0 + block);
-    for (int64_t p = p0; p < p1; ++p) {
-      const W* panel = w + p * K * kRow<W>;
-      const uint16_t* ps = scales ? scales + p * (K / kBlock) * 2 * kPanel : nullptr;
-      float* yp = y + p * kPanel;
-      int64_t r = r0;
-      const float* xs = xsum ? xsum + r * blocks : nullptr;
-      for (; r + kT <= r1; r += kT, xs += xs ? kT * blocks : 0)
-        tile<kT>(x + r * K, K, panel, ps, xs, yp + r * N, N);
-      if (r < r1) rest(static_cast<int>(r1 - r), x + r * K, K, panel, ps, xs, yp + r * N, N);
+  for (int64_t s = 0; s < rows.nseg; ++s) {
+    for (int64_t r0 = rows.begin(s), R = rows.end(s); r0 < R; r0 += block) {
+      const int64_t r1 = std::min(R, r0 + block);
+      for (int64_t p = p0; p < p1; ++p) {
+        const W* panel = w + p * K * kRow<W>;
+        const uint16_t* ps = scales ? scales + p * (K / kBlock) * 2 * kPanel : nullptr;
+        float* yp = y + p * kPanel;
+        int64_t r = r0;
+        const float* xs = xsum ? xsum + r * blocks : nullptr;
+        for (; r + kT <= r1; r += kT, xs += xs ? kT * blocks : 0)
+          tile<kT>(x + r * K, K, panel, ps, xs, yp + r * N, N);
+        if (r < r1) rest(static_cast<int>(r1 - r), x + r * K, K, panel, ps, xs, yp + r * N, N);
+      }
     }
   }
 }
@@ -241,26 +254,30 @@ struct Job {
   const uint16_t* scales;  // code panels only
   std::vector<float> xsum;  // code panels only: [R, K / kBlock] (`block_sums`)
   float* y;
+  Rows rows;
   int64_t R, K, N, num_panels, chunk;
   spec_jax::Claims claims;  // one item per chunk of panels
 
   void drain() {
     claims.drain([this](int64_t c) {
       const int64_t p0 = c * chunk, p1 = std::min(num_panels, p0 + chunk);
-      panels(x, R, K, w, scales, xsum.empty() ? nullptr : xsum.data(), N, y, p0, p1);
+      panels(x, rows, K, w, scales, xsum.empty() ? nullptr : xsum.data(), N, y, p0, p1);
     });
   }
 };
 
+// y = x @ w for the rows `seg` selects (all where it is null); the other rows of y are zeros.
 template <typename W>
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const int64_t> wd,
-               const W* w, const uint16_t* scales, ffi::ResultBuffer<ffi::F32>& y) {
+               const W* w, const uint16_t* scales, ffi::ResultBuffer<ffi::F32>& y,
+               const int32_t* seg = nullptr, int64_t nseg = 1) {
   auto xd = x.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kRow<W> ||
-      wd[1] != xd[1] || yd[0] != xd[0] || yd[1] != wd[0] * kPanel) {
+      wd[1] != xd[1] || yd[0] != xd[0] || yd[1] != wd[0] * kPanel ||
+      nseg < 1 || xd[0] % nseg != 0) {
     return ffi::Error::InvalidArgument(
         "spec_jax packed gemm: expected x [R, K], w [N/P, K, P], y [R, N] with P = "
-        "spec_jax_gemm_panel()");
+        "spec_jax_gemm_panel(), and row counts [S] with S dividing R");
   }
   auto job = std::make_shared<Job<W>>();
   job->x = x.typed_data();
@@ -271,6 +288,11 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const 
   job->K = xd[1];
   job->N = yd[1];
   job->num_panels = wd[0];
+  job->rows = Rows{seg, nseg, xd[0] / nseg};
+  for (int64_t s = 0; s < nseg; ++s) {  // rows not computed: zeros, not stale memory
+    const int64_t e = job->rows.end(s), n = job->rows.begin(s) + job->rows.len - e;
+    if (n > 0) std::memset(job->y + e * job->N, 0, n * job->N * sizeof(float));
+  }
   if (scales) block_sums(job->x, job->R, job->K, job->xsum);
   // About four chunks per thread: small enough to balance, large enough to stream.
   job->chunk = std::max<int64_t>(1, job->num_panels / (4 * spec_jax::pool_threads(pool)));
@@ -285,11 +307,18 @@ ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
   return Run(pool, x, w.dimensions(), w.typed_data(), nullptr, y);
 }
 
+// The same for the first rows[s] rows of each of the S segments of x (a padded prefill).
+ffi::Error PackedGemmRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+                          ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
+  return Run(pool, x, w.dimensions(), w.typed_data(), nullptr, y, rows.typed_data(),
+             static_cast<int64_t>(rows.element_count()));
+}
+
 // uint8 code panels [N/P, K, P], or [N/P, K, P/2] of 4-bit pairs, with float16 scales
-// [N/P, K/kBlock, 2, P] (d, then m).
-ffi::Error PackedGemmAffine(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F16> s,
-                            ffi::ResultBuffer<ffi::F32> y) {
+// [N/P, K/kBlock, 2, P] (d, then m); `seg`/`nseg` as in `Run`.
+ffi::Error Affine(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& w,
+                  ffi::Buffer<ffi::F16>& s, ffi::ResultBuffer<ffi::F32>& y,
+                  const int32_t* seg = nullptr, int64_t nseg = 1) {
   auto wd = w.dimensions(), sd = s.dimensions();
   if (wd.size() != 3 || wd[1] % kBlock != 0 || sd.size() != 4 || sd[0] != wd[0] ||
       sd[1] != wd[1] / kBlock || sd[2] != 2 || sd[3] != kPanel ||
@@ -300,9 +329,21 @@ ffi::Error PackedGemmAffine(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
   }
   auto scales = reinterpret_cast<const uint16_t*>(s.typed_data());
   if (wd[2] == kPanel / 2) {
-    return Run(pool, x, wd, reinterpret_cast<const Nib*>(w.typed_data()), scales, y);
+    return Run(pool, x, wd, reinterpret_cast<const Nib*>(w.typed_data()), scales, y, seg, nseg);
   }
-  return Run(pool, x, wd, w.typed_data(), scales, y);
+  return Run(pool, x, wd, w.typed_data(), scales, y, seg, nseg);
+}
+
+ffi::Error PackedGemmAffine(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                            ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F16> s,
+                            ffi::ResultBuffer<ffi::F32> y) {
+  return Affine(pool, x, w, s, y);
+}
+
+ffi::Error PackedGemmAffineRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
+                                ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F16> s,
+                                ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
+  return Affine(pool, x, w, s, y, rows.typed_data(), static_cast<int64_t>(rows.element_count()));
 }
 
 }  // namespace
@@ -328,4 +369,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmAffine, PackedGemmAffine,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmRows, PackedGemmRows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmAffineRows, PackedGemmAffineRows,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F16>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());

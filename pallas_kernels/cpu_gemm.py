@@ -191,10 +191,21 @@ def pack_matrices(params: dict, keys, dtype=None) -> dict:
             one(v) if k in keys and packable(v) else v for k, v in params.items()}
 
 
-def matmul(x, w):
-    """x [..., K] @ w [K, N] -> [..., N]; w a plain matrix or a PackedWeight."""
+ROWS_TARGETS = {jnp.dtype(jnp.float32): "spec_jax_packed_gemm_rows",
+                jnp.dtype(jnp.uint8): "spec_jax_packed_gemm_affine_rows"}
+
+
+def matmul(x, w, rows=None):
+    """x [..., K] @ w [K, N] -> [..., N]; w a plain matrix or a PackedWeight.
+
+    rows: None, or int32 [B] for x [B, T, K] (a padded prefill): the kernel for float32 or code
+    panels computes only each batch row's first rows[b] tokens, the rest of y being zeros
+    (elsewhere every row is computed: the results differ only in those rows). Not
+    differentiable."""
     if not isinstance(w, PackedWeight):
         return x @ w
+    if rows is not None and w.panels.dtype in ROWS_TARGETS:
+        return _kernel_product(x, w, rows)
     if w.scales is not None:
         return _affine_matmul(x, w.panels, w.scales)
     return _packed_matmul(x, w.panels)
@@ -207,18 +218,25 @@ def dot_f32(x, w):
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
-def _kernel_product(x, w: PackedWeight):
+def _kernel_product(x, w: PackedWeight, rows=None):
     """x [..., K] @ w through the FFI kernel for w's panel dtype, or XLA's dot on the unpacked
-    matrix where the kernel cannot take it (no rows, non-float32 x, kernel not built here)."""
+    matrix where the kernel cannot take it (no rows, non-float32 x, kernel not built here).
+    `rows` as in `matmul`."""
     k, n = w.shape
     lead = x.shape[:-1]
-    rows = int(np.prod(lead, dtype=np.int64))
-    if (rows == 0 or x.dtype != jnp.float32 or w.panels.dtype not in TARGETS
+    r = int(np.prod(lead, dtype=np.int64))
+    targets = TARGETS if rows is None else ROWS_TARGETS
+    if (r == 0 or x.dtype != jnp.float32 or w.panels.dtype not in targets
             or not available() or w.shape[1] // w.panels.shape[0] != panel_width()):
         return x @ unpack(w).astype(x.dtype)
     operands = (w.panels,) if w.scales is None else (w.panels, w.scales)
-    y = jax.ffi.ffi_call(TARGETS[w.panels.dtype], jax.ShapeDtypeStruct((rows, n), jnp.float32),
-                         vmap_method="sequential")(x.reshape(rows, k), *operands)
+    if rows is not None:
+        if x.ndim != 3 or rows.shape != x.shape[:1]:
+            raise ValueError(f"rows {rows.shape} must hold one count per row of x [B, T, K], "
+                             f"got x {x.shape}")
+        operands += (rows.astype(jnp.int32),)
+    y = jax.ffi.ffi_call(targets[w.panels.dtype], jax.ShapeDtypeStruct((r, n), jnp.float32),
+                         vmap_method="sequential")(x.reshape(r, k), *operands)
     return y.reshape(*lead, n)
 
 

@@ -51,6 +51,9 @@ def cmd_convert(a):
 def cmd_generate(a):
     import spec_jax
 
+    if a.tree is not None and a.draft is None:  # the tree would be ignored: plain decoding
+        raise SpecJaxError(f"--tree {a.tree} needs a drafter: pass --draft HEADS_DIR or --draft "
+                           "ngram (without --draft, generate decodes plainly)")
     target = spec_jax.load_target(a.model)
     draft = _draft_arg(target, a.draft)
     ds = spec_jax.load_datastore(a.datastore) if a.datastore else None

@@ -234,10 +234,11 @@ def pads_freely(target: Target, attn_impl: str = "auto") -> bool:
 
 
 def _prefill_bucket(target: Target, key, p_pad: int, n_slots: int) -> int:
-    """The prompt bucket to prefill in: `p_pad`, or the shortest longer one, up to 2x, whose
-    program `key(bucket)` is already compiled: no new compile (2-3 s for SmolLM2 here) for at most
-    the prefill's own time again (0.07-0.4 s up to 512 tokens)."""
-    wider = range(p_pad + PROMPT_STEP, min(2 * p_pad, n_slots) + 1, PROMPT_STEP)
+    """The prompt bucket to prefill in: the shortest of `p_pad` and the longer ones up to 2x
+    whose program `key(bucket)` is already compiled, else `p_pad`: no new compile (2-3 s for
+    SmolLM2 here) for a little more work (the matrix products skip the padding, see
+    `step.prefill`; attention and element-wise work do not)."""
+    wider = range(p_pad, min(2 * p_pad, n_slots) + 1, PROMPT_STEP)
     return next((p for p in wider if key(p) in target.compiled), p_pad)
 
 

@@ -107,7 +107,8 @@ def prefill(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatur
     greedy, out_len = settings.greedy, settings.out_len
     positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     fwd = forward(params, cfg, tokens, positions, cache, causal_mask(b, p),
-                  aux_layers=drafter.aux_layers, return_logits=False, attn_impl=settings.attn_impl)
+                  aux_layers=drafter.aux_layers, return_logits=False, attn_impl=settings.attn_impl,
+                  rows=prompt_len)  # the padding's products are skipped
     rows = jnp.arange(b)
     last_h = fwd.hidden[rows, prompt_len - 1]  # [B, H]
     key, k0 = split_rows(key, 2)

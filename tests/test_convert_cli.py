@@ -68,6 +68,8 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("spec-jax: error:") and "config.json" in err[0]
     assert main(["generate", "--model", str(tmp_path), "--prompt", "hi"]) == 2
     assert "spec-jax fetch" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "hi", "--tree", "dynamic:8,5,32"]) == 2  # no --draft
+    assert "--tree dynamic:8,5,32 needs a drafter: pass --draft" in capsys.readouterr().err
     assert main(["train", "--method", "eagle", "--own-lm-heads", "--data", str(tmp_path),
                  "--out", str(tmp_path / "h")]) == 2  # a medusa option, refused before any work
     err = capsys.readouterr().err

@@ -171,6 +171,29 @@ def test_gguf_dequantized_matrices_pack_as_exact_uint8_codes(kind):
     assert cpu_gemm.pack_exact(w).scales is None and cpu_gemm.pack_exact(w).dtype == jnp.float32
 
 
+@pytest.mark.parametrize("kind", ["float32", "Q4_1", "Q8_0"])
+def test_row_counts_skip_a_padded_prompts_rows_with_the_same_bits(kind):
+    """matmul(x, w, rows) for x [B, T, K] computes each batch row's first rows[b] tokens (a
+    prefill's real tokens) to the same bits as the whole product, and zeros past them, for every
+    row tile; counts outside [0, T] are clipped."""
+    from gguf import GGMLQuantizationType
+
+    p = cpu_gemm.panel_width()
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((96, 2 * p)) * 0.05
+    w = (cpu_gemm.pack(np.asarray(w, np.float32)) if kind == "float32" else
+         cpu_gemm.pack_exact(_gguf_blocks(w, GGMLQuantizationType[kind])))
+    assert (w.scales is None) == (kind == "float32")
+    x = jnp.asarray(rng.standard_normal((3, 21, 96)), jnp.float32)
+    full = np.asarray(jax.jit(cpu_gemm.matmul)(x, w))
+    part = jax.jit(lambda x, r: cpu_gemm.matmul(x, w, rows=r))
+    for counts in ([21, 13, 0], [1, 9, 21], [-4, 40, 12]):
+        y = np.asarray(part(x, jnp.asarray(counts, jnp.int32)))
+        for b, c in enumerate(np.clip(counts, 0, 21)):
+            np.testing.assert_array_equal(y[b, :c], full[b, :c])
+            assert not y[b, c:].any()
+
+
 def _gguf_target_params(seed=1):
     """A tiny config and stacked params whose matrices are GGUF dequantizations (layers Q4_1,
     embedding and LM head Q8_0), as SmolLM2's are."""
@@ -285,6 +308,10 @@ def test_a_prompt_runs_in_a_compiled_longer_prefill_with_the_same_bits():
     r = spec_jax.generate(t, short, 12, stop_at_eos=False)  # 192 tokens would pad 64 more than 2x
     assert r.stats["compile_seconds"] > 0
     assert [k[4] for k in t.compiled if k[0] == "prefill"] == [192, 64]
+    t = packed()  # a prompt whose own bucket is compiled runs there, not in a longer one
+    for n in (120, 150, 100):
+        spec_jax.generate(t, [7] * n, 12, stop_at_eos=False)
+    assert [k[4] for k in t.compiled if k[0] == "prefill"] == [192, 128]  # last used last
 
 
 def test_layers_argument_is_checked(tmp_path):

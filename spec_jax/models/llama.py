@@ -147,44 +147,49 @@ def embed(params, tokens):
     return jnp.take(params["embed"], tokens, axis=0)
 
 
-def decoder_layer(lp, cfg: ModelConfig, x, rope, attend, input_norm=True):
+def decoder_layer(lp, cfg: ModelConfig, x, rope, attend, input_norm=True, rows=None):
     """One pre-norm Llama block. `rope` is `rope_table(positions, ...)`; `attend(q, k, v)` does the
     attention over [cache +] block.
 
     Returns (x_out, k, v) with k, v [B, T, KVH, D] after RoPE (what a cache stores).
-    `input_norm=False` skips the attention-input RMSNorm (EAGLE's draft layer 0)."""
+    `input_norm=False` skips the attention-input RMSNorm (EAGLE's draft layer 0). `rows` [B]:
+    only each row's first rows[b] tokens are real (a padded prompt); the packed CPU kernel's
+    products skip the others (see `cpu_gemm.matmul`)."""
     b, t, _ = x.shape
     d = cfg.head_dim
+    mm = functools.partial(matmul, rows=rows)
     h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps) if input_norm else x
     if "wqkv" in lp:  # packed side by side (`pack_layers`): one kernel call
         nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
-        q, k, v = jnp.split(matmul(h, lp["wqkv"]), [nq, nq + nkv], axis=-1)
+        q, k, v = jnp.split(mm(h, lp["wqkv"]), [nq, nq + nkv], axis=-1)
     else:
-        q, k, v = matmul(h, lp["wq"]), matmul(h, lp["wk"]), matmul(h, lp["wv"])
+        q, k, v = mm(h, lp["wq"]), mm(h, lp["wk"]), mm(h, lp["wv"])
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = apply_rope(q.reshape(b, t, cfg.num_heads, d), rope)
     k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, d), rope)
     v = v.reshape(b, t, cfg.num_kv_heads, d)
     a = attend(q, k, v).reshape(b, t, cfg.num_heads * d)
-    x = x + matmul(a, lp["wo"])
+    x = x + mm(a, lp["wo"])
     h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
     if "w_gate_up" in lp:
-        gate, up = jnp.split(matmul(h, lp["w_gate_up"]), 2, axis=-1)
+        gate, up = jnp.split(mm(h, lp["w_gate_up"]), 2, axis=-1)
     else:
-        gate, up = matmul(h, lp["w_gate"]), matmul(h, lp["w_up"])
-    x = x + matmul(jax.nn.silu(gate) * up, lp["w_down"])
+        gate, up = mm(h, lp["w_gate"]), mm(h, lp["w_up"])
+    x = x + mm(jax.nn.silu(gate) * up, lp["w_down"])
     return x, k, v
 
 
 def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache, block_mask, *,
             aux_layers: tuple[int, ...] = (), return_logits: bool = True, attn_impl: str = "xla",
-            input_embeds=None) -> ForwardOut:
+            input_embeds=None, rows=None) -> ForwardOut:
     """Run T block tokens per row against the committed cache.
 
     tokens [B, T] int32; positions [B, T] int32 (RoPE positions; tree nodes use length + depth);
     block_mask [B, T, T] bool (query i may see block key j); cache: committed context (read only).
     aux_layers: layers whose *input* hidden state is returned (EAGLE-3 uses 2, L//2, L-3).
+    rows [B] (a right-padded prompt's lengths): outputs past them are not needed, and the packed
+    CPU kernel skips their products (they come out as other values than without `rows`).
     """
     x = embed(params, tokens) if input_embeds is None else input_embeds
     rope = rope_table(positions, cfg)
@@ -195,7 +200,7 @@ def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache, block_m
             return tree_attention(q, kc, vc, cache.valid, cache.length, k, v, block_mask,
                                   scale=scale, impl=attn_impl)
 
-        return decoder_layer(lp, cfg, x, rope, attend)
+        return decoder_layer(lp, cfg, x, rope, attend, rows=rows)
 
     layers = params["layers"]
     if isinstance(layers, (list, tuple)):  # unrolled: per-layer buffers, no slicing (CPU default)
