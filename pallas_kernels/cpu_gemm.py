@@ -220,7 +220,7 @@ def dot_f32(x, w):
 
 def _kernel_product(x, w: PackedWeight, rows=None):
     """x [..., K] @ w through the FFI kernel for w's panel dtype, or XLA's dot on the unpacked
-    matrix where the kernel cannot take it (no rows, non-float32 x, kernel not built here).
+    matrix where the kernel cannot take it (x empty or not float32, kernel not built here).
     `rows` as in `matmul`."""
     k, n = w.shape
     lead = x.shape[:-1]
