@@ -14,6 +14,8 @@ slots `[length, length + n)`, so the cache stays dense and never grows by reject
 """
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
@@ -58,7 +60,10 @@ def init_cache(num_layers, batch, num_slots, num_kv_heads, head_dim, dtype=jnp.f
     )
 
 
+@functools.partial(jax.jit, static_argnames=("cfg", "batch", "num_slots", "per_layer"))
 def cache_for(cfg, batch: int, num_slots: int, per_layer: bool = False) -> KVCache:
+    """An empty cache for `cfg`'s target, made by one compiled program (built op by op, a
+    per-layer cache of 60 buffers took ~5 ms a `generate` call)."""
     return init_cache(cfg.num_layers, batch, num_slots, cfg.num_kv_heads, cfg.head_dim,
                       jnp.dtype(cfg.dtype), per_layer=per_layer)
 
