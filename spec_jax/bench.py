@@ -100,14 +100,16 @@ def markdown(rows) -> str:
 def run_bench(target, drafts: dict[str, tuple[Any, Any]], prompt_sets: dict[str, list],
               max_new_tokens: int, progress=True, datastore=None, temperature: float = 0.0,
               top_p: float = 1.0, seed: int = 0,
-              on_run: Callable[[Run], None] | None = None) -> list[Run]:
+              on_run: Callable[[Run], None] | None = None,
+              peers: dict[str, Callable] | None = None) -> list[Run]:
     """drafts: name -> (draft, tree) or (draft, tree, fallback) (`generate`'s fallback, else its
     default); prompt_sets: name -> [Prompt]. Interleaved by prompt.
     `datastore` serves the drafts whose tree has +ds:N. Greedy, or sampled at (temperature,
     top_p) with seed `seed + i` for the i-th prompt, the same for every method. Greedy runs
     record whether each output equals plain decoding's ("plain" must come first in `drafts`).
     `on_run` sees each run as it finishes (the CLI appends it to runs.jsonl: a run cut short by a
-    time limit keeps what it measured)."""
+    time limit keeps what it measured). `peers` (`transformers_peers`) run after the drafts on
+    each prompt, in the same interleaving."""
     import spec_jax
     from tqdm import tqdm
 
@@ -144,6 +146,10 @@ def run_bench(target, drafts: dict[str, tuple[Any, Any]], prompt_sets: dict[str,
                             plain_steps=s.get("plain_steps", 0)))
             if on_run is not None:
                 on_run(runs[-1])
+        for run in (peers or {}).values():
+            runs.append(run(pset, p, max_new_tokens, temperature, top_p, seed + i))
+            if on_run is not None:
+                on_run(runs[-1])
     return runs
 
 
@@ -160,35 +166,57 @@ def method_histograms(runs: list[Run]) -> dict[str, list[int]]:
     return out
 
 
-def transformers_peer(target, prompts, max_new_tokens, mode="greedy", temperature: float = 0.0,
-                      top_p: float = 1.0, seed: int = 0) -> list[Run]:
-    """transformers' generate (greedy, or sampling with the same temperature and top_p) or its
-    prompt-lookup decoding on the same weights (if installed)."""
+PEER_MODES = ("greedy", "prompt_lookup", "assisted")
+
+
+def transformers_peers(target, modes=PEER_MODES, assistant_layers: int = 4) -> dict[str, Callable]:
+    """transformers' `generate` on the same weights, loaded once: name -> run(prompt_set, prompt,
+    max_new_tokens, temperature, top_p, seed) -> Run, for `run_bench(peers=...)`. Modes: greedy
+    (sampling with the same temperature and top_p where temperature > 0), prompt-lookup decoding,
+    and assisted generation with the target's first `assistant_layers` layers (through its final
+    norm and LM head) as the assistant: no smaller model with SmolLM2's tokenizer is reachable
+    here, so the assistant is this untrained early exit. Raises SpecJaxError without the
+    checkpoint's hf/ folder; ImportError without torch or transformers."""
     import torch
     from transformers import AutoModelForCausalLM
 
     if target.path is None or not (Path(target.path) / "hf").is_dir():
         raise SpecJaxError("the transformers peer needs the checkpoint's hf/ folder")
-    model = AutoModelForCausalLM.from_pretrained(str(Path(target.path) / "hf"),
-                                                 dtype=torch.float32).eval()
-    kw = {"prompt_lookup_num_tokens": 10} if mode == "prompt_lookup" else {}
-    kw.update({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
-              if temperature > 0 else {"do_sample": False})
-    runs = []
-    with torch.no_grad():
-        for i, (pset, p) in enumerate(prompts):
-            ids = torch.tensor([target.encode(p.text)])
-            model.generate(ids, max_new_tokens=4, pad_token_id=2, **kw)
-            torch.manual_seed(seed + i)
-            t0 = time.perf_counter()
-            out = model.generate(ids, max_new_tokens=max_new_tokens, pad_token_id=2, **kw)
-            wall = time.perf_counter() - t0
-            n = out.shape[1] - ids.shape[1]
+    hf = str(Path(target.path) / "hf")
+    model = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    assistant = None
+    if "assisted" in modes:
+        if not 0 < assistant_layers < model.config.num_hidden_layers:
+            raise SpecJaxError(f"assistant_layers {assistant_layers}: the assistant needs 1 to "
+                               f"{model.config.num_hidden_layers - 1} of the target's layers")
+        assistant = AutoModelForCausalLM.from_pretrained(
+            hf, dtype=torch.float32, num_hidden_layers=assistant_layers).eval()
+
+    def peer(mode):
+        kw = {"prompt_lookup_num_tokens": 10} if mode == "prompt_lookup" else {}
+        if mode == "assisted":
+            kw["assistant_model"] = assistant
+
+        def run(pset, p, max_new_tokens, temperature, top_p, seed):
+            sample = ({"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": 0}
+                      if temperature > 0 else {"do_sample": False})
+            with torch.no_grad():
+                ids = torch.tensor([target.encode(p.text)])
+                model.generate(ids, max_new_tokens=4, pad_token_id=2, **kw, **sample)  # warm-up
+                torch.manual_seed(seed)
+                t0 = time.perf_counter()
+                out = model.generate(ids, max_new_tokens=max_new_tokens, pad_token_id=2, **kw,
+                                     **sample)
+                wall = time.perf_counter() - t0
             label = "sample" if mode == "greedy" and temperature > 0 else mode
-            runs.append(Run(method=f"transformers-{label}", prompt_set=pset, category=p.category,
-                            new_tokens=n, steps=0, wall=wall, compile_s=0.0,  # tau not observable
-                            tree_tokens=1))
-    return runs
+            if mode == "assisted":
+                label += f"({assistant_layers} layers)"
+            return Run(method=f"transformers-{label}", prompt_set=pset, category=p.category,
+                       new_tokens=out.shape[1] - ids.shape[1], steps=0, wall=wall,
+                       compile_s=0.0, tree_tokens=1)  # tau not observable
+        return run
+
+    return {m: peer(m) for m in modes}
 
 
 def plot(rows, runs_hist: dict[str, list[int]], out_dir: Path):
@@ -267,6 +295,10 @@ def bench_cli(a):
     if a.temperature < 0 or not 0 < a.top_p <= 1:
         raise SpecJaxError("--temperature must be >= 0 and --top-p in (0, 1]")
     target = spec_jax.load_target(a.model, layers=getattr(a, "layers", "auto"))
+    n = target.cfg.num_layers
+    if a.peers and not 0 <= a.assistant_layers < n:
+        raise SpecJaxError(f"--assistant-layers must be 0 (no assisted generation) to {n - 1} for "
+                           f"this model's {n} layers, not {a.assistant_layers}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     sets = {}
@@ -322,14 +354,15 @@ def bench_cli(a):
         with log.open("a") as f:
             f.write(json.dumps(dataclasses.asdict(r)) + "\n")
 
-    runs = run_bench(target, drafts, sets, a.max_new_tokens, datastore=ds, seed=a.seed,
-                     on_run=record, **sampling)
-    items = [(s, p) for s, ps in sets.items() for p in ps]
-    for mode in ("greedy", "prompt_lookup") if a.peers else ():
+    peers = None
+    if a.peers:
+        modes = PEER_MODES if a.assistant_layers else PEER_MODES[:2]
         try:
-            runs += transformers_peer(target, items, a.max_new_tokens, mode, seed=a.seed, **sampling)
+            peers = transformers_peers(target, modes, a.assistant_layers)
         except Exception as e:  # a missing peer is reported, never fatal
-            print(f"(transformers {mode} peer skipped: {e})")
+            print(f"(transformers peers skipped: {e})")
+    runs = run_bench(target, drafts, sets, a.max_new_tokens, datastore=ds, seed=a.seed,
+                     on_run=record, peers=peers, **sampling)
     sizes = sorted({r.tree_tokens for r in runs})
     vt = verify_latency(target, sizes)
     rows = summarize(runs, verify_time=lambda t: vt.get(t, 0.0))

@@ -284,7 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="sized (@auto) drafters: with plain steps where their trees do not pay "
                         "(as generate runs them), without, or both as separate rows")
     b.add_argument("--no-peers", dest="peers", action="store_false",
-                   help="skip transformers' generate (greedy and prompt lookup) in the run")
+                   help="skip transformers' generate (greedy, prompt lookup and assisted "
+                        "generation, run on each prompt after spec_jax's methods)")
+    b.add_argument("--assistant-layers", type=int, default=4, metavar="N",
+                   help="assisted generation's assistant: the target's first N layers, an "
+                        "untrained early exit (no smaller model with its tokenizer is at hand); "
+                        "0 leaves that peer out (default 4)")
     b.set_defaults(fn=cmd_bench)
     return p
 

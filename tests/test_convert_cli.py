@@ -76,7 +76,7 @@ def test_cli_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert "--own-lm-heads does not apply to --method eagle" in err and not (tmp_path / "h").exists()
 
 
-def _tiny_checkpoint_with_smollm2_tokenizer(tmp_path):
+def _tiny_checkpoint_with_smollm2_tokenizer(tmp_path, layers: int = 1):
     """A tiny random Llama with SmolLM2's tokenizer, converted: CLI runs in seconds."""
     import shutil
 
@@ -85,7 +85,7 @@ def _tiny_checkpoint_with_smollm2_tokenizer(tmp_path):
     from tests.conftest import SMOLLM2
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
                       num_attention_heads=2, num_key_value_heads=1, eos_token_id=2)
     hf = tmp_path / "hf"
     LlamaForCausalLM(cfg).save_pretrained(hf, safe_serialization=True)
@@ -142,6 +142,35 @@ def test_cli_bench_writes_its_table_and_each_run_as_it_ends(smollm2, tmp_path, c
     assert [(r["method"], r["category"]) for r in runs] == [
         ("plain", "a"), ("ngram", "a"), ("plain", "b"), ("ngram", "b")]
     assert {p.name for p in out.iterdir()} >= {"results.json", "results.md", "runs.jsonl"}
+
+
+def test_cli_bench_runs_transformers_peers_interleaved_with_its_own_methods(smollm2, tmp_path,
+                                                                            capsys):
+    """transformers' greedy, prompt-lookup and assisted generation (the target's first layers as
+    the assistant) run on each prompt right after spec_jax's methods, so drift hits them alike;
+    an assistant as deep as the target is refused before any run."""
+    import shutil
+
+    ck = _tiny_checkpoint_with_smollm2_tokenizer(tmp_path, layers=2)
+    prompts = tmp_path / "myset" / "question.jsonl"
+    prompts.parent.mkdir()
+    prompts.write_text("".join(json.dumps({"prompt": t, "category": c}) + "\n"
+                               for t, c in [("hello", "a"), ("one two three", "b")]))
+    out = tmp_path / "bench"
+    args = ["bench", "--model", str(ck), "--drafts", "ngram", "--prompts", str(prompts),
+            "--limit", "2", "--max-new-tokens", "6", "--out", str(out)]
+    assert main(args + ["--assistant-layers", "2"]) == 2
+    assert "--assistant-layers must be 0 (no assisted generation) to 1" in capsys.readouterr().err
+    assert not (out / "runs.jsonl").exists()
+    shutil.copytree(tmp_path / "hf", ck / "hf")  # the peers read hf/, as `fetch` leaves it
+    assert main(args + ["--assistant-layers", "1"]) == 0
+    table = capsys.readouterr().out
+    peers = ["transformers-greedy", "transformers-prompt_lookup", "transformers-assisted(1 layers)"]
+    runs = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
+    assert [(r["method"], r["category"]) for r in runs] == [
+        (m, c) for c in "ab" for m in ["plain", "ngram"] + peers]
+    assert all(r["new_tokens"] >= 1 and r["wall"] > 0 for r in runs)
+    assert all(f"| myset | all | {m} |" in table for m in peers)
 
 
 def test_the_tokenizer_is_the_one_autotokenizer_builds(smollm2, tmp_path):
