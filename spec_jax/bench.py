@@ -373,11 +373,47 @@ def bench_cli(a):
              else "greedy")
           + ", batch 1\n")
     print(table)
+    profiles = {}
+    if a.profile:
+        first = next(p for ps in sets.values() for p in ps)
+        profiles = profile_drafts(target, drafts, first, a.max_new_tokens, datastore=ds, **sampling)
+        table += "\n\n" + profile_markdown(profiles, first)
+        print("\n" + profile_markdown(profiles, first))
     (out / "results.json").write_text(json.dumps({"rows": rows, "verify_latency": vt,
-                                                  "runs": [dataclasses.asdict(r) for r in runs]},
-                                                 indent=1))
+                                                  "runs": [dataclasses.asdict(r) for r in runs],
+                                                  "profiles": profiles}, indent=1))
     (out / "results.md").write_text(table + "\n")
     plot(rows, method_histograms(runs), out)
+
+
+def profile_drafts(target, drafts: dict, prompt, max_new_tokens: int, datastore=None,
+                   temperature: float = 0.0, top_p: float = 1.0) -> dict:
+    """Each of `run_bench`'s drafts on one prompt under the profiler (spec_jax.profile): method ->
+    {"untraced_ms_per_call", "traced_ms_per_call", "tau", "scopes", "shares"}, the shares of the
+    loop's traced time in draft, verify and bookkeeping."""
+    from spec_jax.profile import profile_generation, step_shares
+
+    out = {}
+    for name, (draft, tree, *fb) in drafts.items():
+        p = profile_generation(target, prompt.text, max_new_tokens, draft=draft, tree=tree,
+                               datastore=datastore if uses_datastore(tree) else None,
+                               temperature=temperature, top_p=top_p,
+                               **({"fallback": fb[0]} if fb else {}))
+        out[name] = {k: p[k] for k in ("untraced_ms_per_call", "traced_ms_per_call", "tau",
+                                       "scopes")} | {"shares": step_shares(p)}
+    return out
+
+
+def profile_markdown(profiles: dict, prompt) -> str:
+    lines = [f"Where a step's time goes (traced, one prompt: {prompt.category or prompt.id}; "
+             "shares of the loop's traced time):", "",
+             "| method | ms per target call | τ | draft | verify | bookkeeping |",
+             "|---|---|---|---|---|---|"]
+    for name, p in profiles.items():
+        sh = p["shares"]
+        lines.append(f"| {name} | {p['untraced_ms_per_call']:.2f} | {p['tau']:.2f} | "
+                     f"{sh['draft']:.0%} | {sh['verify']:.0%} | {sh['bookkeeping']:.0%} |")
+    return "\n".join(lines)
 
 
 def _curve_table(report) -> str:

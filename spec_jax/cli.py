@@ -286,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-peers", dest="peers", action="store_false",
                    help="skip transformers' generate (greedy, prompt lookup and assisted "
                         "generation, run on each prompt after spec_jax's methods)")
+    b.add_argument("--profile", action="store_true",
+                   help="after the runs, profile each method on the first prompt (CPU) and "
+                        "print the shares of a step in draft, verify and bookkeeping")
     b.add_argument("--assistant-layers", type=int, default=4, metavar="N",
                    help="assisted generation's assistant: the target's first N layers, an "
                         "untrained early exit (no smaller model with its tokenizer is at hand); "

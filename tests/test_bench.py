@@ -507,7 +507,8 @@ def test_the_sizing_keeps_the_fallback_where_its_run_measured_that_it_pays(
         tiny_target, tmp_path, monkeypatch):
     """`choose` takes the best tree's run with the fallback over plain decoding that won unless
     plain ran faster, and over the same tree without it unless that ran faster by more than the
-    noise margin; generate then runs the chosen tree with that fallback, or without any. A tree
+    noise margin — or ran faster at all, where the tree's lead is wide (its break-even under 3/4
+    of its tau); generate then runs the chosen tree with that fallback, or without any. A tree
     that lost to plain gets a prior just above its break-even, so rows probe it now and then."""
     import spec_jax
     from spec_jax.generate import resolve_drafter
@@ -539,6 +540,12 @@ def test_the_sizing_keeps_the_fallback_where_its_run_measured_that_it_pays(
     assert choose(worse)["tree"] == tree and chosen_fallback(worse) is None
     idle = fast + [m(tree, 2.4, 120.5, 120.0, fb=point, share=0.01)]  # it hardly acted: not kept
     assert choose(idle)["tree"] == tree and chosen_fallback(idle) is None
+    # a cheap tree step (break-even 2.0 against tau 3.0): only a faster fallback run is kept
+    cheap = [m(PLAIN, 1.0, 100.0, 100.0), m(tree, 3.0, 150.0, 150.0)]
+    point = fallback_point(cheap)
+    assert point == pytest.approx((2.0, 3.0))
+    assert chosen_fallback(cheap + [m(tree, 2.9, 148.0, 147.0, fb=point)]) is None  # a tie
+    assert chosen_fallback(cheap + [m(tree, 2.9, 151.0, 149.0, fb=point)]) == pytest.approx(point)
 
     heads = spec_jax.init_draft(tiny_target, "eagle", seed=1, scale=0.3)
     key = calibration_key(tiny_target, heads, 1)

@@ -134,9 +134,18 @@ def test_cli_bench_writes_its_table_and_each_run_as_it_ends(smollm2, tmp_path, c
     out = tmp_path / "bench"
     capsys.readouterr()
     assert main(["bench", "--model", str(ck), "--drafts", "ngram", "--no-peers", "--prompts",
-                 str(prompts), "--limit", "2", "--max-new-tokens", "6", "--out", str(out)]) == 0
+                 str(prompts), "--limit", "2", "--max-new-tokens", "6", "--out", str(out),
+                 "--profile"]) == 0
     table = capsys.readouterr().out
     assert "| = plain |" in table and "transformers" not in table
+    # --profile: each method's step on the first prompt, in draft / verify / bookkeeping shares
+    assert "| method | ms per target call | τ | draft | verify | bookkeeping |" in table
+    profiles = json.loads((out / "results.json").read_text())["profiles"]
+    assert set(profiles) == {"plain", "ngram"}
+    for name, p in profiles.items():
+        assert sum(p["shares"].values()) == pytest.approx(1.0) and p["untraced_ms_per_call"] > 0
+        assert f"| {name} | " in table
+    assert profiles["plain"]["shares"]["draft"] == 0 < profiles["ngram"]["shares"]["draft"]
     assert "| myset | all | ngram |" in table and "| 2/2 |" in table  # greedy: lossless
     runs = [json.loads(x) for x in (out / "runs.jsonl").read_text().splitlines()]
     assert [(r["method"], r["category"]) for r in runs] == [
