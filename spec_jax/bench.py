@@ -295,6 +295,8 @@ def bench_cli(a):
     if a.temperature < 0 or not 0 < a.top_p <= 1:
         raise SpecJaxError("--temperature must be >= 0 and --top-p in (0, 1]")
     target = spec_jax.load_target(a.model, layers=getattr(a, "layers", "auto"))
+    if a.profile and jax.default_backend() != "cpu":  # said before the runs, not after them
+        raise SpecJaxError("--profile reads XLA:CPU's thunk names: run it on CPU, or leave it out")
     n = target.cfg.num_layers
     if a.peers and not 0 <= a.assistant_layers < n:
         raise SpecJaxError(f"--assistant-layers must be 0 (no assisted generation) to {n - 1} for "
