@@ -27,6 +27,7 @@ TARGETS = {"spec_jax_packed_gemm": "SpecJaxPackedGemm",
            "spec_jax_packed_gemm_bf16": "SpecJaxPackedGemmBf16",
            "spec_jax_packed_gemm_affine": "SpecJaxPackedGemmAffine",
            "spec_jax_packed_gemm_rows": "SpecJaxPackedGemmRows",
+           "spec_jax_packed_gemm_bf16_rows": "SpecJaxPackedGemmBf16Rows",
            "spec_jax_packed_gemm_affine_rows": "SpecJaxPackedGemmAffineRows",
            "spec_jax_tree_attention": "SpecJaxTreeAttention",
            "spec_jax_argmax": "SpecJaxArgmax"}

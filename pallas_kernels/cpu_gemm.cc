@@ -308,7 +308,8 @@ ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer
 }
 
 // The same for the first rows[s] rows of each of the S segments of x (a padded prefill).
-ffi::Error PackedGemmRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+template <ffi::DataType WT>
+ffi::Error PackedGemmRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
                           ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
   return Run(pool, x, w.dimensions(), w.typed_data(), nullptr, y, rows.typed_data(),
              static_cast<int64_t>(rows.element_count()));
@@ -370,11 +371,18 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmAffine, PackedGemmAffine,
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmRows, PackedGemmRows,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmRows, PackedGemmRows<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmBf16Rows, PackedGemmRows<ffi::BF16>,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmAffineRows, PackedGemmAffineRows,

@@ -192,14 +192,15 @@ def pack_matrices(params: dict, keys, dtype=None) -> dict:
 
 
 ROWS_TARGETS = {jnp.dtype(jnp.float32): "spec_jax_packed_gemm_rows",
+                jnp.dtype(jnp.bfloat16): "spec_jax_packed_gemm_bf16_rows",
                 jnp.dtype(jnp.uint8): "spec_jax_packed_gemm_affine_rows"}
 
 
 def matmul(x, w, rows=None):
     """x [..., K] @ w [K, N] -> [..., N]; w a plain matrix or a PackedWeight.
 
-    rows: None, or int32 [B] for x [B, T, K] (a padded prefill): the kernel for float32 or code
-    panels computes only each batch row's first rows[b] tokens, the rest of y being zeros
+    rows: None, or int32 [B] for x [B, T, K] (a padded prefill): the kernel for float32,
+    bfloat16 or code panels computes only each batch row's first rows[b] tokens, the rest of y being zeros
     (elsewhere every row is computed: the results differ only in those rows). Not
     differentiable."""
     if not isinstance(w, PackedWeight):

@@ -171,7 +171,7 @@ def test_gguf_dequantized_matrices_pack_as_exact_uint8_codes(kind):
     assert cpu_gemm.pack_exact(w).scales is None and cpu_gemm.pack_exact(w).dtype == jnp.float32
 
 
-@pytest.mark.parametrize("kind", ["float32", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("kind", ["float32", "bfloat16", "Q4_1", "Q8_0"])
 def test_row_counts_skip_a_padded_prompts_rows_with_the_same_bits(kind):
     """matmul(x, w, rows) for x [B, T, K] computes each batch row's first rows[b] tokens (a
     prefill's real tokens) to the same bits as the whole product, and zeros past them, for every
@@ -181,9 +181,9 @@ def test_row_counts_skip_a_padded_prompts_rows_with_the_same_bits(kind):
     p = cpu_gemm.panel_width()
     rng = np.random.default_rng(3)
     w = rng.standard_normal((96, 2 * p)) * 0.05
-    w = (cpu_gemm.pack(np.asarray(w, np.float32)) if kind == "float32" else
+    w = (cpu_gemm.pack(np.asarray(w, np.float32), dtype=kind) if "float" in kind else
          cpu_gemm.pack_exact(_gguf_blocks(w, GGMLQuantizationType[kind])))
-    assert (w.scales is None) == (kind == "float32")
+    assert (w.scales is None) == ("float" in kind)
     x = jnp.asarray(rng.standard_normal((3, 21, 96)), jnp.float32)
     full = np.asarray(jax.jit(cpu_gemm.matmul)(x, w))
     part = jax.jit(lambda x, r: cpu_gemm.matmul(x, w, rows=r))

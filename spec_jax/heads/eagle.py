@@ -96,9 +96,9 @@ class EagleDrafter(FeatureDrafter):
         return super().logits(dparams, tparams, tcfg, feat)
 
     def cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache_k, cache_v,
-             cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask):
+             cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask, rows=None):
         e = embed(tparams, tokens).astype(feat.dtype)
-        x = matmul(jnp.concatenate([e, feat], axis=-1), dparams["fc_w"]) + dparams["fc_b"]
+        x = matmul(jnp.concatenate([e, feat], axis=-1), dparams["fc_w"], rows=rows) + dparams["fc_b"]
 
         rope = rope_table(positions, tcfg)
         ks, vs = [], []
@@ -109,7 +109,7 @@ class EagleDrafter(FeatureDrafter):
                                        self.attn_impl)
 
             lp = dparams["layer"] if i == 0 else dparams[f"layer_{i}"]
-            x, k, v = decoder_layer(lp, tcfg, x, rope, attend, input_norm=i > 0)
+            x, k, v = decoder_layer(lp, tcfg, x, rope, attend, input_norm=i > 0, rows=rows)
             ks.append(k)
             vs.append(v)
         return x, tuple(ks), tuple(vs)

@@ -6,6 +6,7 @@ tokens); `d2t` maps draft ids to target ids."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -43,7 +44,8 @@ class Eagle3Drafter(FeatureDrafter):
         return matmul(aux_hidden, dparams["fc_w"]).astype(hidden.dtype)
 
     def cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache_k, cache_v,
-             cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask):
+             cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask, rows=None):
+        mm = functools.partial(matmul, rows=rows)
         lp = dparams["layer"]
         b, t, _ = feat.shape
         d = tcfg.head_dim
@@ -51,14 +53,14 @@ class Eagle3Drafter(FeatureDrafter):
         x_in = jnp.concatenate([rms_norm(e, lp["input_norm"], tcfg.rms_norm_eps),
                                 rms_norm(feat, lp["hidden_norm"], tcfg.rms_norm_eps)], axis=-1)
         rope = rope_table(positions, tcfg)
-        q = apply_rope(matmul(x_in, lp["wq"]).reshape(b, t, tcfg.num_heads, d), rope)
-        k = apply_rope(matmul(x_in, lp["wk"]).reshape(b, t, tcfg.num_kv_heads, d), rope)
-        v = matmul(x_in, lp["wv"]).reshape(b, t, tcfg.num_kv_heads, d)
+        q = apply_rope(mm(x_in, lp["wq"]).reshape(b, t, tcfg.num_heads, d), rope)
+        k = apply_rope(mm(x_in, lp["wk"]).reshape(b, t, tcfg.num_kv_heads, d), rope)
+        v = mm(x_in, lp["wv"]).reshape(b, t, tcfg.num_kv_heads, d)
         a = draft_attention(q, cache_k[0], cache_v[0], cache_valid, cache_len, extra_k[0],
                             extra_v[0], extra_mask, k, v, own_mask, self.attn_impl)
-        x = feat + matmul(a.reshape(b, t, -1), lp["wo"])
+        x = feat + mm(a.reshape(b, t, -1), lp["wo"])
         h = rms_norm(x, lp["mlp_norm"], tcfg.rms_norm_eps)
-        x = x + matmul(jax.nn.silu(matmul(h, lp["w_gate"])) * matmul(h, lp["w_up"]), lp["w_down"])
+        x = x + mm(jax.nn.silu(mm(h, lp["w_gate"])) * mm(h, lp["w_up"]), lp["w_down"])
         return x, (k,), (v,)
 
     def logits(self, dparams, tparams, tcfg, feat):

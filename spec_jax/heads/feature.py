@@ -57,10 +57,12 @@ class FeatureDrafter(Drafter):
         return hidden
 
     def cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache_k, cache_v,
-             cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask):
+             cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask, rows=None):
         """One draft step of `module`. cache_k/cache_v: its layers' committed caches, a tuple of
         num_layers [B, KVH, S, D]; extra_k/extra_v: a tuple of num_layers [B, E, KVH, D] (tree
-        buffer). Returns (out_feature [B,T,H], ks, vs), ks/vs a tuple of num_layers [B,T,KVH,D]."""
+        buffer). rows [B] (a padded prompt): only each row's first rows[b] tokens need outputs
+        (the packed CPU kernel skips the rest). Returns (out_feature [B,T,H], ks, vs), ks/vs a
+        tuple of num_layers [B,T,KVH,D]."""
         raise NotImplementedError
 
     def logits(self, dparams, tparams, tcfg, feat):
@@ -103,11 +105,11 @@ class FeatureDrafter(Drafter):
         return self.top_k
 
     def _attend_cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache: KVCache,
-                     extra_k, extra_v, extra_mask, own_mask):
+                     extra_k, extra_v, extra_mask, own_mask, rows=None):
         lo, hi = module * self.num_layers, (module + 1) * self.num_layers
         return self.cell(dparams, tparams, tcfg, module, feat, tokens, positions,
                          tuple(cache.k[lo:hi]), tuple(cache.v[lo:hi]), cache.valid, cache.length,
-                         extra_k, extra_v, extra_mask, own_mask)
+                         extra_k, extra_v, extra_mask, own_mask, rows=rows)
 
     def _empty_kv(self, tcfg, batch, n, dtype):
         """A tree buffer of n slots per layer: a tuple of num_layers [B, n, KVH, D] zeros."""
@@ -127,8 +129,9 @@ class FeatureDrafter(Drafter):
                             root_tok=jnp.zeros((batch, k), jnp.int32))
 
     def _run_chunk(self, dparams, tparams, tcfg, state: FeatureState, feats, next_tok, positions,
-                   valid):
-        """Run all modules over committed pairs [B, A] and append them to the draft cache."""
+                   valid, rows=None):
+        """Run all modules over committed pairs [B, A] and append them to the draft cache.
+        rows [B]: the valid pairs are each row's first rows[b] (a prefill), computed alone."""
         b, a = next_tok.shape
         count = jnp.sum(valid, axis=1).astype(jnp.int32)
         empty = self._empty_kv(tcfg, b, 0, state.cache.k[0].dtype)
@@ -137,7 +140,7 @@ class FeatureDrafter(Drafter):
         for m in range(self.num_modules):
             out, k, v = self._attend_cell(dparams, tparams, tcfg, m, feats, next_tok, positions,
                                           state.cache, empty, empty,
-                                          jnp.zeros((b, a, 0), bool), own)
+                                          jnp.zeros((b, a, 0), bool), own, rows=rows)
             ks.extend(k)
             vs.extend(v)
             if m == 0:
@@ -161,7 +164,7 @@ class FeatureDrafter(Drafter):
         next_tok = jnp.where(j == ctx.prompt_len[:, None] - 1, ctx.first_token[:, None], shifted)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         return self._run_chunk(dparams, tparams, tcfg, state, feats, next_tok, positions,
-                               j < ctx.prompt_len[:, None])
+                               j < ctx.prompt_len[:, None], rows=ctx.prompt_len)
 
     def after_verify(self, dparams, tparams, tcfg, state, ctx: VerifyContext):
         node, next_tok, valid = accepted_chunk(ctx)

@@ -30,7 +30,7 @@ class MtpDrafter(FeatureDrafter):
     method: str = "mtp"
 
     def cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache_k, cache_v,
-             cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask):
+             cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask, rows=None):
         mp = jax.tree.map(lambda a: a[module], dparams["modules"])
         e = embed(tparams, tokens).astype(feat.dtype)
         x = jnp.concatenate([rms_norm(e, mp["enorm"], tcfg.rms_norm_eps),
@@ -40,5 +40,6 @@ class MtpDrafter(FeatureDrafter):
             return draft_attention(q, cache_k[0], cache_v[0], cache_valid, cache_len, extra_k[0],
                                    extra_v[0], extra_mask, k, v, own_mask, self.attn_impl)
 
-        x, k, v = decoder_layer(mp["layer"], tcfg, x, rope_table(positions, tcfg), attend)
+        x, k, v = decoder_layer(mp["layer"], tcfg, x, rope_table(positions, tcfg), attend,
+                                rows=rows)
         return x, (k,), (v,)
