@@ -200,8 +200,8 @@ def matmul(x, w, rows=None):
     """x [..., K] @ w [K, N] -> [..., N]; w a plain matrix or a PackedWeight.
 
     rows: None, or int32 [B] for x [B, T, K] (a padded prefill): the kernel for float32,
-    bfloat16 or code panels computes only each batch row's first rows[b] tokens, the rest of y being zeros
-    (elsewhere every row is computed: the results differ only in those rows). Not
+    bfloat16 or code panels computes only each batch row's first rows[b] tokens, the rest of y
+    being zeros (elsewhere every row is computed: the results differ only in those rows). Not
     differentiable."""
     if not isinstance(w, PackedWeight):
         return x @ w

@@ -379,8 +379,9 @@ def bench_cli(a):
     if a.profile:
         first = next(p for ps in sets.values() for p in ps)
         profiles = profile_drafts(target, drafts, first, a.max_new_tokens, datastore=ds, **sampling)
-        table += "\n\n" + profile_markdown(profiles, first)
-        print("\n" + profile_markdown(profiles, first))
+        shares = profile_markdown(profiles, first)
+        table += "\n\n" + shares
+        print("\n" + shares)
     (out / "results.json").write_text(json.dumps({"rows": rows, "verify_latency": vt,
                                                   "runs": [dataclasses.asdict(r) for r in runs],
                                                   "profiles": profiles}, indent=1))

@@ -104,6 +104,7 @@ def step_shares(profile: dict) -> dict:
     rule) and bookkeeping (the rest of the loop body: the cache commit, emitting tokens)."""
     s = profile["scopes"]
     parts = {"draft": s.get("draft", 0.0) + s.get("draft_update", 0.0),
-             "verify": s.get("target", 0.0) + s.get("verify", 0.0), "bookkeeping": s.get("other", 0.0)}
+             "verify": s.get("target", 0.0) + s.get("verify", 0.0),
+             "bookkeeping": s.get("other", 0.0)}
     total = sum(parts.values()) or 1.0
     return {k: v / total for k, v in parts.items()}

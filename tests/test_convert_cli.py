@@ -85,8 +85,9 @@ def _tiny_checkpoint_with_smollm2_tokenizer(tmp_path, layers: int = 1):
     from tests.conftest import SMOLLM2
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
-                      num_attention_heads=2, num_key_value_heads=1, eos_token_id=2)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=16, intermediate_size=32,
+                      num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                      eos_token_id=2)
     hf = tmp_path / "hf"
     LlamaForCausalLM(cfg).save_pretrained(hf, safe_serialization=True)
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -98,7 +98,8 @@ class EagleDrafter(FeatureDrafter):
     def cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache_k, cache_v,
              cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask, rows=None):
         e = embed(tparams, tokens).astype(feat.dtype)
-        x = matmul(jnp.concatenate([e, feat], axis=-1), dparams["fc_w"], rows=rows) + dparams["fc_b"]
+        x = matmul(jnp.concatenate([e, feat], axis=-1), dparams["fc_w"], rows=rows)
+        x = x + dparams["fc_b"]
 
         rope = rope_table(positions, tcfg)
         ks, vs = [], []
