@@ -40,10 +40,15 @@ namespace {
 // EPYC, SmolLM2's whole forward (sizing.verify_latency, best of 3 x 6, five processes each way):
 // T = 8 tokens 15.3-16.6 ms with 32 rows ahead against 17.0-19.9 without, T = 4 13.7-14.2
 // against 13.9-16.7, T = 1 unchanged (~12 ms).
+// AVX-512 also prefetches into L2 kFar times as far ahead (fifty-second session): the L1 prefetch
+// alone leaves a tile of 8-12 rows, whose FMAs take longer than the row's load, short of lines in
+// flight. A [576, 1536] float32 matrix streamed from memory, 60 distinct per pass, best of 8, four
+// rounds alternating processes, us for 1 / 8 / 12 rows: 111.0-112.5 / 111.5-113.9 / 124.0-131.6
+// with the L1 prefetch alone, 107.3-113.8 / 105.6-108.6 / 111.9-115.9 with both.
 #if defined(__AVX512F__)
-constexpr int kVec = 16, kPanel = 32, kTop = 8, kPrefetch = 32;
+constexpr int kVec = 16, kPanel = 32, kTop = 8, kPrefetch = 32, kFar = 4;
 #else
-constexpr int kVec = 8, kPanel = 16, kTop = 6, kPrefetch = 16;
+constexpr int kVec = 8, kPanel = 16, kTop = 6, kPrefetch = 16, kFar = 0;
 #endif
 constexpr int kNV = kPanel / kVec;  // vectors per panel row
 // Rows per full tile: float32 panels take 12 on AVX-512 (24 accumulators), codes keep 8 (their
@@ -147,7 +152,10 @@ inline void tile(const float* __restrict x, int64_t K, const W* __restrict panel
     for (int64_t k = k0; k < k0 + span; ++k, w += kRow<W>) {
       if constexpr (kPrefetch > 0) {
 #pragma GCC unroll 4
-        for (int c = 0; c < kRow<W>; c += kLine) __builtin_prefetch(w + kAhead<W> + c);
+        for (int c = 0; c < kRow<W>; c += kLine) {
+          __builtin_prefetch(w + kAhead<W> + c);
+          if constexpr (kFar > 0) __builtin_prefetch(w + kFar * kAhead<W> + c, 0, 2);  // to L2
+        }
       }
       vec wv[NV];
       load_row(w, wv);
