@@ -85,7 +85,7 @@ class EagleDrafter(FeatureDrafter):
     def __post_init__(self):
         check_features(self.features)
 
-    def target_feature(self, dparams, tparams, tcfg, hidden, aux_hidden):
+    def target_feature(self, dparams, tparams, tcfg, hidden, aux_hidden, rows=None):
         if self.features == "post":
             return rms_norm(hidden, tparams["final_norm"], tcfg.rms_norm_eps)
         return hidden

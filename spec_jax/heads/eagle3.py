@@ -40,8 +40,8 @@ class Eagle3Drafter(FeatureDrafter):
     def aux_layers(self):
         return self.fused_layers
 
-    def target_feature(self, dparams, tparams, tcfg, hidden, aux_hidden):
-        return matmul(aux_hidden, dparams["fc_w"]).astype(hidden.dtype)
+    def target_feature(self, dparams, tparams, tcfg, hidden, aux_hidden, rows=None):
+        return matmul(aux_hidden, dparams["fc_w"], rows=rows).astype(hidden.dtype)
 
     def cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache_k, cache_v,
              cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask, rows=None):

@@ -51,9 +51,10 @@ class FeatureDrafter(Drafter):
     static_tree: StaticTree | None = None  # set: draft this fixed tree instead of a dynamic one
 
     # ---- what each method defines ----
-    def target_feature(self, dparams, tparams, tcfg, hidden, aux_hidden):
+    def target_feature(self, dparams, tparams, tcfg, hidden, aux_hidden, rows=None):
         """Target outputs (final hidden states [B, T, H], pre-norm; fused ones [B, T, 3H]) -> draft
-        input features [B, T, H], which are also what an EAGLE head's feature loss regresses."""
+        input features [B, T, H], which are also what an EAGLE head's feature loss regresses.
+        rows [B]: only each row's first rows[b] positions are needed (as in `cell`)."""
         return hidden
 
     def cell(self, dparams, tparams, tcfg, module, feat, tokens, positions, cache_k, cache_v,
@@ -131,7 +132,8 @@ class FeatureDrafter(Drafter):
     def _run_chunk(self, dparams, tparams, tcfg, state: FeatureState, feats, next_tok, positions,
                    valid, rows=None):
         """Run all modules over committed pairs [B, A] and append them to the draft cache.
-        rows [B]: the valid pairs are each row's first rows[b] (a prefill), computed alone."""
+        rows [B]: the valid pairs are each row's first rows[b] (a prefill's prompt, a verify's
+        accepted tokens), computed alone: the padding's products are skipped."""
         b, a = next_tok.shape
         count = jnp.sum(valid, axis=1).astype(jnp.int32)
         empty = self._empty_kv(tcfg, b, 0, state.cache.k[0].dtype)
@@ -158,7 +160,8 @@ class FeatureDrafter(Drafter):
 
     def after_prefill(self, dparams, tparams, tcfg, state, ctx: PrefillContext):
         b, p = ctx.tokens.shape
-        feats = self.target_feature(dparams, tparams, tcfg, ctx.hidden, ctx.aux_hidden)
+        feats = self.target_feature(dparams, tparams, tcfg, ctx.hidden, ctx.aux_hidden,
+                                    rows=ctx.prompt_len)
         j = jnp.arange(p)[None, :]
         shifted = jnp.concatenate([ctx.tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], axis=1)
         next_tok = jnp.where(j == ctx.prompt_len[:, None] - 1, ctx.first_token[:, None], shifted)
@@ -169,10 +172,12 @@ class FeatureDrafter(Drafter):
     def after_verify(self, dparams, tparams, tcfg, state, ctx: VerifyContext):
         node, next_tok, valid = accepted_chunk(ctx)
         rows = jnp.arange(node.shape[0])[:, None]
-        feats_all = self.target_feature(dparams, tparams, tcfg, ctx.hidden, ctx.aux_hidden)
-        feats = feats_all[rows, node]
+        count = jnp.sum(valid, axis=1).astype(jnp.int32)  # the accepted pairs come first
+        aux = None if ctx.aux_hidden is None else ctx.aux_hidden[rows, node]
+        feats = self.target_feature(dparams, tparams, tcfg, ctx.hidden[rows, node], aux, rows=count)
         positions = ctx.root_pos[:, None] + jnp.arange(node.shape[1])[None, :]
-        return self._run_chunk(dparams, tparams, tcfg, state, feats, next_tok, positions, valid)
+        return self._run_chunk(dparams, tparams, tcfg, state, feats, next_tok, positions, valid,
+                               rows=count)
 
     def propose(self, dparams, tparams, tcfg, state: FeatureState, root, key):
         if self.static_tree is not None:
