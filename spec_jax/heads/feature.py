@@ -61,9 +61,9 @@ class FeatureDrafter(Drafter):
              cache_valid, cache_len, extra_k, extra_v, extra_mask, own_mask, rows=None):
         """One draft step of `module`. cache_k/cache_v: its layers' committed caches, a tuple of
         num_layers [B, KVH, S, D]; extra_k/extra_v: a tuple of num_layers [B, E, KVH, D] (tree
-        buffer). rows [B] (a padded prompt): only each row's first rows[b] tokens need outputs
-        (the packed CPU kernel skips the rest). Returns (out_feature [B,T,H], ks, vs), ks/vs a
-        tuple of num_layers [B,T,KVH,D]."""
+        buffer). rows [B] (a padded prompt, an accepted chain): only each row's first rows[b]
+        tokens need outputs (the packed CPU kernel skips the rest). Returns (out_feature
+        [B,T,H], ks, vs), ks/vs a tuple of num_layers [B,T,KVH,D]."""
         raise NotImplementedError
 
     def logits(self, dparams, tparams, tcfg, feat):
