@@ -130,10 +130,10 @@ class FeatureDrafter(Drafter):
                             root_tok=jnp.zeros((batch, k), jnp.int32))
 
     def _run_chunk(self, dparams, tparams, tcfg, state: FeatureState, feats, next_tok, positions,
-                   valid, rows=None):
+                   valid):
         """Run all modules over committed pairs [B, A] and append them to the draft cache.
-        rows [B]: the valid pairs are each row's first rows[b] (a prefill's prompt, a verify's
-        accepted tokens), computed alone: the padding's products are skipped."""
+        valid [B, A] is a prefix of each row (a prefill's prompt, a verify's accepted tokens):
+        only those pairs are computed, the padding's products skipped (`cell`'s rows)."""
         b, a = next_tok.shape
         count = jnp.sum(valid, axis=1).astype(jnp.int32)
         empty = self._empty_kv(tcfg, b, 0, state.cache.k[0].dtype)
@@ -142,7 +142,7 @@ class FeatureDrafter(Drafter):
         for m in range(self.num_modules):
             out, k, v = self._attend_cell(dparams, tparams, tcfg, m, feats, next_tok, positions,
                                           state.cache, empty, empty,
-                                          jnp.zeros((b, a, 0), bool), own, rows=rows)
+                                          jnp.zeros((b, a, 0), bool), own, rows=count)
             ks.extend(k)
             vs.extend(v)
             if m == 0:
@@ -167,17 +167,16 @@ class FeatureDrafter(Drafter):
         next_tok = jnp.where(j == ctx.prompt_len[:, None] - 1, ctx.first_token[:, None], shifted)
         positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
         return self._run_chunk(dparams, tparams, tcfg, state, feats, next_tok, positions,
-                               j < ctx.prompt_len[:, None], rows=ctx.prompt_len)
+                               j < ctx.prompt_len[:, None])
 
     def after_verify(self, dparams, tparams, tcfg, state, ctx: VerifyContext):
         node, next_tok, valid = accepted_chunk(ctx)
-        rows = jnp.arange(node.shape[0])[:, None]
+        bi = jnp.arange(node.shape[0])[:, None]
         count = jnp.sum(valid, axis=1).astype(jnp.int32)  # the accepted pairs come first
-        aux = None if ctx.aux_hidden is None else ctx.aux_hidden[rows, node]
-        feats = self.target_feature(dparams, tparams, tcfg, ctx.hidden[rows, node], aux, rows=count)
+        aux = None if ctx.aux_hidden is None else ctx.aux_hidden[bi, node]
+        feats = self.target_feature(dparams, tparams, tcfg, ctx.hidden[bi, node], aux, rows=count)
         positions = ctx.root_pos[:, None] + jnp.arange(node.shape[1])[None, :]
-        return self._run_chunk(dparams, tparams, tcfg, state, feats, next_tok, positions, valid,
-                               rows=count)
+        return self._run_chunk(dparams, tparams, tcfg, state, feats, next_tok, positions, valid)
 
     def propose(self, dparams, tparams, tcfg, state: FeatureState, root, key):
         if self.static_tree is not None:
