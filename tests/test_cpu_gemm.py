@@ -278,6 +278,7 @@ def test_a_gguf_quantized_target_matches_float32_from_codes_and_decodes_lossless
     plain = spec_jax.generate(codes, prompt, 40, stop_at_eos=False).token_ids
     heads = spec_jax.init_draft(codes, "eagle", seed=0, d2t=np.arange(0, 96, 3))
     assert heads.bind(codes)["lm_sub"].dtype == jnp.uint8  # the LM head's slice keeps its codes
+    assert heads.bind(f32)["lm_sub"].dtype == jnp.uint8  # also where the layers stream float32
     assert heads.bind(codes)["layer"]["wq"].dtype == jnp.bfloat16
     for draft, tree in (("ngram", None), (heads, "dynamic:4,3,8")):
         r = spec_jax.generate(codes, prompt, 40, draft=draft, tree=tree, stop_at_eos=False)

@@ -63,7 +63,9 @@ class DraftHeads:
 
         On a packed target the matrices are packed too, as bfloat16 (`PACKED_DTYPE`; `pack=False`
         keeps them plain float32: training updates and saves plain matrices), except a draft
-        vocabulary's slice of a target LM head held as exact uint8 codes, which keeps its codes."""
+        vocabulary's slice of a target LM head that is exactly a GGUF dequantization (whether the
+        target streams its own layers as codes or as float32), which is packed as its uint8 codes:
+        the draft reads 1.125 bytes a weight instead of 2, and the exact float32 weights."""
         from spec_jax.heads.vocab import bind_target
 
         pack = pack and target.layout == "packed"
@@ -76,9 +78,9 @@ class DraftHeads:
             from pallas_kernels.cpu_gemm import pack_exact, pack_matrices
 
             exact = {}
-            if "lm_sub" in params and target.weight_codes:  # a slice of the target's LM head:
-                w = pack_exact(params["lm_sub"])  # its exact codes, fewer bytes than bfloat16
-                exact = {"lm_sub": w} if w.scales is not None else {}
+            if "lm_sub" in params:  # a slice of the target's LM head: where its float32 weights
+                w = pack_exact(params["lm_sub"])  # are a GGUF dequantization, their exact codes
+                exact = {"lm_sub": w} if w.scales is not None else {}  # (fewer bytes than bf16)
             keys = tuple(k for k in PACKABLE if k not in exact)
             params = {**pack_matrices(params, keys, PACKED_DTYPE), **exact}
         target.compiled[key] = (self.params, target.params, params)
