@@ -10,6 +10,7 @@
 //
 // Work is split over chunks of panels, shared with XLA's intra-op pool (cpu_pool.h).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -255,12 +256,128 @@ void block_sums(const float* x, int64_t R, int64_t K, std::vector<float>& xsum) 
   }
 }
 
+// What a call applies to x before the product (its `prologue` attribute): nothing, Llama's
+// RMSNorm (x * rsqrt(mean(x^2) + eps) * g), or SwiGLU (silu(a) * b for x = [a, b], [R, 2K]).
+// Done here, the norm before each q/k/v and gate/up product and the SwiGLU before each down
+// product are not XLA fusions of their own: at 8 rows those were 5 thunks and ~19 us a layer
+// (XNNPACK's reduce alone 3.2 us a call). Each row is transformed alone, by the same operations
+// in the same order whatever R is, so rows stay bit-identical across row counts.
+enum : int32_t { kNoPrologue = 0, kRmsNorm = 1, kSwiGlu = 2 };
+
+typedef int32_t ivec __attribute__((vector_size(kVec * sizeof(int32_t))));
+inline vec splat(float f) { return vec{} + f; }
+inline vec round_vec(vec x) {
+#if defined(__AVX512F__)
+  return (vec)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
+  return (vec)_mm256_round_ps((__m256)x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#endif
+}
+
+// e^x to a few float32 ulps (Cephes' expf: x = n ln2 + r, a degree-6 polynomial in r, 2^n from
+// the exponent bits); x clamped to [-87, 88], where the result stays a normal float.
+inline vec exp_vec(vec x) {
+  x = x < 88.0f ? x : splat(88.0f);
+  x = x > -87.0f ? x : splat(-87.0f);
+  const vec n = round_vec(x * 1.44269504088896341f);
+  const vec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  vec p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const vec y = p * r * r + r + 1.0f;
+  return y * (vec)((__builtin_convertvector(n, ivec) + 127) << 23);
+}
+
+// Rows [r0, r1) of the transformed x: out [R, K] from x [R, K] (RMSNorm) or [R, 2K] (SwiGLU).
+void prologue_rows(int32_t mode, const float* x, const float* g, float eps, int64_t K,
+                   int64_t r0, int64_t r1, float* out) {
+  const int64_t kv = K / kVec * kVec;
+  for (int64_t r = r0; r < r1; ++r) {
+    float* o = out + r * K;
+    if (mode == kRmsNorm) {
+      const float* xr = x + r * K;
+      vec acc = vec{};
+      for (int64_t k = 0; k < kv; k += kVec) {
+        const vec v = *reinterpret_cast<const vec_u*>(xr + k);
+        acc += v * v;
+      }
+      float lanes[kVec];
+      std::memcpy(lanes, &acc, sizeof(lanes));
+      for (int h = kVec / 2; h > 0; h /= 2)
+        for (int j = 0; j < h; ++j) lanes[j] += lanes[j + h];
+      float ss = lanes[0];
+      for (int64_t k = kv; k < K; ++k) ss += xr[k] * xr[k];
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(K) + eps);
+      for (int64_t k = 0; k < kv; k += kVec) {
+        const vec v = *reinterpret_cast<const vec_u*>(xr + k);
+        *reinterpret_cast<vec_u*>(o + k) = (v * inv) * *reinterpret_cast<const vec_u*>(g + k);
+      }
+      for (int64_t k = kv; k < K; ++k) o[k] = (xr[k] * inv) * g[k];
+    } else {
+      const float* a = x + r * 2 * K;
+      const float* b = a + K;
+      for (int64_t k = 0; k < kv; k += kVec) {
+        const vec av = *reinterpret_cast<const vec_u*>(a + k);
+        const vec bv = *reinterpret_cast<const vec_u*>(b + k);
+        *reinterpret_cast<vec_u*>(o + k) = av / (exp_vec(-av) + 1.0f) * bv;
+      }
+      for (int64_t k = kv; k < K; ++k) o[k] = a[k] / (std::exp(-a[k]) + 1.0f) * b[k];
+    }
+  }
+}
+
+struct PrologueJob {
+  int32_t mode;
+  const float* x;
+  const float* g;
+  float eps;
+  int64_t K, R, chunk;
+  float* out;
+  spec_jax::Claims claims;  // one item per chunk of rows
+
+  void drain() {
+    claims.drain([this](int64_t c) {
+      prologue_rows(mode, x, g, eps, K, c * chunk, std::min(R, (c + 1) * chunk), out);
+    });
+  }
+};
+
+// The transformed x [R, K] into `out`: inline for a few rows, over the pool for a prefill's.
+void prologue(ffi::ThreadPool& pool, int32_t mode, const float* x, const float* g, float eps,
+              int64_t R, int64_t K, std::vector<float>& out) {
+  out.resize(R * K);
+  if (R <= 64) return prologue_rows(mode, x, g, eps, K, 0, R, out.data());
+  auto job = std::make_shared<PrologueJob>();
+  job->mode = mode;
+  job->x = x;
+  job->g = g;
+  job->eps = eps;
+  job->K = K;
+  job->R = R;
+  job->chunk = 16;
+  job->out = out.data();
+  job->claims.total = (R + job->chunk - 1) / job->chunk;
+  spec_jax::run_shared(pool, job);
+}
+
+// The prologue a call asks for: `mode`, the norm's weights g [K] (a placeholder otherwise), eps.
+struct Pro {
+  int32_t mode = kNoPrologue;
+  const float* g = nullptr;
+  int64_t g_size = 0;
+  float eps = 0.0f;
+};
+
 template <typename W>
 struct Job {
   const float* x;
   const W* w;
   const uint16_t* scales;  // code panels only
   std::vector<float> xsum;  // code panels only: [R, K / kBlock] (`block_sums`)
+  std::vector<float> xp;  // x after the call's prologue, where it has one
   float* y;
   Rows rows;
   int64_t R, K, N, num_panels, chunk;
@@ -277,23 +394,30 @@ struct Job {
 // y = x @ w for the rows `seg` selects (all where it is null); the other rows of y are zeros.
 template <typename W>
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const int64_t> wd,
-               const W* w, const uint16_t* scales, ffi::ResultBuffer<ffi::F32>& y,
+               const W* w, const uint16_t* scales, ffi::ResultBuffer<ffi::F32>& y, const Pro& pro,
                const int32_t* seg = nullptr, int64_t nseg = 1) {
   auto xd = x.dimensions(), yd = y->dimensions();
+  const int64_t width = pro.mode == kSwiGlu ? 2 : 1;  // x's columns per row of K
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kRow<W> ||
-      wd[1] != xd[1] || yd[0] != xd[0] || yd[1] != wd[0] * kPanel ||
-      nseg < 1 || xd[0] % nseg != 0) {
+      xd[1] != width * wd[1] || yd[0] != xd[0] || yd[1] != wd[0] * kPanel ||
+      nseg < 1 || xd[0] % nseg != 0 || pro.mode < kNoPrologue || pro.mode > kSwiGlu ||
+      (pro.mode == kRmsNorm && pro.g_size != wd[1])) {
     return ffi::Error::InvalidArgument(
-        "spec_jax packed gemm: expected x [R, K], w [N/P, K, P], y [R, N] with P = "
-        "spec_jax_gemm_panel(), and row counts [S] with S dividing R");
+        "spec_jax packed gemm: expected x [R, K] ([R, 2K] with a SwiGLU prologue), w [N/P, K, P], "
+        "y [R, N] with P = spec_jax_gemm_panel(), norm weights [K] with an RMSNorm prologue, and "
+        "row counts [S] with S dividing R");
   }
   auto job = std::make_shared<Job<W>>();
   job->x = x.typed_data();
+  if (pro.mode != kNoPrologue) {
+    prologue(pool, pro.mode, job->x, pro.g, pro.eps, xd[0], wd[1], job->xp);
+    job->x = job->xp.data();
+  }
   job->w = w;
   job->scales = scales;
   job->y = y->typed_data();
   job->R = xd[0];
-  job->K = xd[1];
+  job->K = wd[1];
   job->N = yd[1];
   job->num_panels = wd[0];
   job->rows = Rows{seg, nseg, xd[0] / nseg};
@@ -310,23 +434,27 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const 
 }
 
 template <ffi::DataType WT>
-ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
-                      ffi::ResultBuffer<ffi::F32> y) {
-  return Run(pool, x, w.dimensions(), w.typed_data(), nullptr, y);
+ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> g,
+                      ffi::Buffer<WT> w, ffi::ResultBuffer<ffi::F32> y, int32_t prologue,
+                      float eps) {
+  const Pro pro{prologue, g.typed_data(), static_cast<int64_t>(g.element_count()), eps};
+  return Run(pool, x, w.dimensions(), w.typed_data(), nullptr, y, pro);
 }
 
 // The same for the first rows[s] rows of each of the S segments of x (a padded prefill).
 template <ffi::DataType WT>
-ffi::Error PackedGemmRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<WT> w,
-                          ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
-  return Run(pool, x, w.dimensions(), w.typed_data(), nullptr, y, rows.typed_data(),
+ffi::Error PackedGemmRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> g,
+                          ffi::Buffer<WT> w, ffi::Buffer<ffi::S32> rows,
+                          ffi::ResultBuffer<ffi::F32> y, int32_t prologue, float eps) {
+  const Pro pro{prologue, g.typed_data(), static_cast<int64_t>(g.element_count()), eps};
+  return Run(pool, x, w.dimensions(), w.typed_data(), nullptr, y, pro, rows.typed_data(),
              static_cast<int64_t>(rows.element_count()));
 }
 
 // uint8 code panels [N/P, K, P], or [N/P, K, P/2] of 4-bit pairs, with float16 scales
 // [N/P, K/kBlock, 2, P] (d, then m); `seg`/`nseg` as in `Run`.
 ffi::Error Affine(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& w,
-                  ffi::Buffer<ffi::F16>& s, ffi::ResultBuffer<ffi::F32>& y,
+                  ffi::Buffer<ffi::F16>& s, ffi::ResultBuffer<ffi::F32>& y, const Pro& pro,
                   const int32_t* seg = nullptr, int64_t nseg = 1) {
   auto wd = w.dimensions(), sd = s.dimensions();
   if (wd.size() != 3 || wd[1] % kBlock != 0 || sd.size() != 4 || sd[0] != wd[0] ||
@@ -338,21 +466,27 @@ ffi::Error Affine(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<f
   }
   auto scales = reinterpret_cast<const uint16_t*>(s.typed_data());
   if (wd[2] == kPanel / 2) {
-    return Run(pool, x, wd, reinterpret_cast<const Nib*>(w.typed_data()), scales, y, seg, nseg);
+    return Run(pool, x, wd, reinterpret_cast<const Nib*>(w.typed_data()), scales, y, pro, seg,
+               nseg);
   }
-  return Run(pool, x, wd, w.typed_data(), scales, y, seg, nseg);
+  return Run(pool, x, wd, w.typed_data(), scales, y, pro, seg, nseg);
 }
 
 ffi::Error PackedGemmAffine(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F16> s,
-                            ffi::ResultBuffer<ffi::F32> y) {
-  return Affine(pool, x, w, s, y);
+                            ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::U8> w,
+                            ffi::Buffer<ffi::F16> s, ffi::ResultBuffer<ffi::F32> y,
+                            int32_t prologue, float eps) {
+  const Pro pro{prologue, g.typed_data(), static_cast<int64_t>(g.element_count()), eps};
+  return Affine(pool, x, w, s, y, pro);
 }
 
 ffi::Error PackedGemmAffineRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                                ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F16> s,
-                                ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y) {
-  return Affine(pool, x, w, s, y, rows.typed_data(), static_cast<int64_t>(rows.element_count()));
+                                ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::U8> w,
+                                ffi::Buffer<ffi::F16> s, ffi::Buffer<ffi::S32> rows,
+                                ffi::ResultBuffer<ffi::F32> y, int32_t prologue, float eps) {
+  const Pro pro{prologue, g.typed_data(), static_cast<int64_t>(g.element_count()), eps};
+  return Affine(pool, x, w, s, y, pro, rows.typed_data(),
+                static_cast<int64_t>(rows.element_count()));
 }
 
 }  // namespace
@@ -365,39 +499,57 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemm, PackedGemm<ffi::F32>,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("prologue")
+                                  .Attr<float>("eps"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmBf16, PackedGemm<ffi::BF16>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("prologue")
+                                  .Attr<float>("eps"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmAffine, PackedGemmAffine,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("prologue")
+                                  .Attr<float>("eps"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmRows, PackedGemmRows<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("prologue")
+                                  .Attr<float>("eps"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmBf16Rows, PackedGemmRows<ffi::BF16>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("prologue")
+                                  .Attr<float>("eps"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmAffineRows, PackedGemmAffineRows,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int32_t>("prologue")
+                                  .Attr<float>("eps"));

@@ -34,6 +34,13 @@ against 19.9, where the arithmetic, not the stream, sets the time. At one row th
 arithmetic-bound too (a 4-bit panel streams no faster than a byte panel: the widening and
 conversion cost more per weight than the bytes do).
 
+A call may also transform x before the product (`matmul`'s norm and glu, the kernel's prologue):
+Llama's RMSNorm before the q/k/v, gate/up and LM-head products and SwiGLU before the down product
+(`spec_jax.models.llama.decoder_layer`). Each row is transformed alone, so rows stay independent
+of each other; the XLA fusions this replaces were 5 thunks a layer, and SmolLM2's forward spent
+0.91-0.93 ms in its fusions at 8 tokens and 0.34-0.36 at one token, 0.34-0.40 and 0.16-0.17 with
+the prologue (fifty-third session).
+
 The kernel is built with g++ on first use (`cpu_build`); without a compiler, `available()` is
 False and callers keep XLA's dot: nothing is lost but the speed.
 """
@@ -196,20 +203,48 @@ ROWS_TARGETS = {jnp.dtype(jnp.float32): "spec_jax_packed_gemm_rows",
                 jnp.dtype(jnp.uint8): "spec_jax_packed_gemm_affine_rows"}
 
 
-def matmul(x, w, rows=None):
+def matmul(x, w, rows=None, norm=None, glu: bool = False):
     """x [..., K] @ w [K, N] -> [..., N]; w a plain matrix or a PackedWeight.
 
     rows: None, or int32 [B] for x [B, T, K] (a padded prefill): the kernel for float32,
     bfloat16 or code panels computes only each batch row's first rows[b] tokens, the rest of y
     being zeros (elsewhere every row is computed: the results differ only in those rows). Not
-    differentiable."""
+    differentiable.
+    norm: (g [K], eps): the product of Llama's RMSNorm of x (`rms_norm`) instead of x.
+    glu: x [..., 2K] = [a, b]: the product of silu(a) * b (SwiGLU) instead of x.
+    With a PackedWeight the kernel applies either to x itself (its prologue), so they cost no
+    XLA op of their own; results match the ops' to float32 rounding, not to the bit."""
+    mode = PROLOGUE_NORM if norm is not None else PROLOGUE_GLU if glu else 0
+    if mode and not (isinstance(w, PackedWeight) and _kernel_takes(x, w)):
+        return matmul(prologue_reference(x, norm, glu), w, rows)
     if not isinstance(w, PackedWeight):
         return x @ w
+    if mode:
+        g, eps = norm if norm is not None else (jnp.zeros((1,), jnp.float32), 0.0)
+        if rows is not None:
+            return _kernel_product(x, w, rows, (mode, g, eps))
+        return _prologue_matmul(x, g.astype(jnp.float32), w, mode, float(eps))
     if rows is not None and w.panels.dtype in ROWS_TARGETS:
         return _kernel_product(x, w, rows)
     if w.scales is not None:
         return _affine_matmul(x, w.panels, w.scales)
     return _packed_matmul(x, w.panels)
+
+
+PROLOGUE_NORM, PROLOGUE_GLU = 1, 2  # the kernel's `prologue` attribute (cpu_gemm.cc)
+
+
+def prologue_reference(x, norm=None, glu: bool = False):
+    """What `matmul`'s norm / glu apply to x, in JAX ops."""
+    if norm is not None:
+        g, eps = norm
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+        return (y * g.astype(jnp.float32)).astype(x.dtype)
+    if glu:
+        a, b = jnp.split(x, 2, axis=-1)
+        return jax.nn.silu(a) * b
+    return x
 
 
 def dot_f32(x, w):
@@ -219,26 +254,54 @@ def dot_f32(x, w):
     return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
 
 
-def _kernel_product(x, w: PackedWeight, rows=None):
+def _kernel_takes(x, w: PackedWeight) -> bool:
+    """Whether the FFI kernel computes x @ w (else XLA's dot on the unpacked matrix does)."""
+    r = int(np.prod(x.shape[:-1], dtype=np.int64))
+    return (r > 0 and x.dtype == jnp.float32 and w.panels.dtype in TARGETS and available()
+            and w.shape[1] // w.panels.shape[0] == panel_width())
+
+
+def _kernel_product(x, w: PackedWeight, rows=None, pro=None):
     """x [..., K] @ w through the FFI kernel for w's panel dtype, or XLA's dot on the unpacked
     matrix where the kernel cannot take it (x empty or not float32, kernel not built here).
-    `rows` as in `matmul`."""
+    `rows` as in `matmul`; `pro`: (mode, g, eps), the kernel's prologue (`matmul`'s norm, glu)."""
     k, n = w.shape
     lead = x.shape[:-1]
     r = int(np.prod(lead, dtype=np.int64))
     targets = TARGETS if rows is None else ROWS_TARGETS
-    if (r == 0 or x.dtype != jnp.float32 or w.panels.dtype not in targets
-            or not available() or w.shape[1] // w.panels.shape[0] != panel_width()):
+    mode, g, eps = pro if pro is not None else (0, None, 0.0)
+    if not _kernel_takes(x, w) or w.panels.dtype not in targets:
+        x = prologue_reference(x, (g, eps) if mode == PROLOGUE_NORM else None,
+                               mode == PROLOGUE_GLU)
         return x @ unpack(w).astype(x.dtype)
-    operands = (w.panels,) if w.scales is None else (w.panels, w.scales)
+    if g is None:
+        g = jnp.zeros((1,), jnp.float32)
+    operands = (g.astype(jnp.float32), w.panels) + (() if w.scales is None else (w.scales,))
     if rows is not None:
         if x.ndim != 3 or rows.shape != x.shape[:1]:
             raise ValueError(f"rows {rows.shape} must hold one count per row of x [B, T, K], "
                              f"got x {x.shape}")
         operands += (rows.astype(jnp.int32),)
     y = jax.ffi.ffi_call(targets[w.panels.dtype], jax.ShapeDtypeStruct((r, n), jnp.float32),
-                         vmap_method="sequential")(x.reshape(r, k), *operands)
+                         vmap_method="sequential")(x.reshape(r, x.shape[-1]), *operands,
+                                                   prologue=np.int32(mode), eps=np.float32(eps))
     return y.reshape(*lead, n)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
+def _prologue_matmul(x, g, w: PackedWeight, mode: int, eps: float):
+    return _kernel_product(x, w, None, (mode, g, eps))
+
+
+@_prologue_matmul.defjvp
+def _prologue_matmul_jvp(mode, eps, primals, tangents):
+    """Through x and g only, as the JAX ops would be (the weights are frozen here)."""
+    x, g, w = primals
+    dx, dg, _ = tangents
+    norm = lambda g: (g, eps) if mode == PROLOGUE_NORM else None  # noqa: E731
+    f = lambda x, g: prologue_reference(x, norm(g), mode == PROLOGUE_GLU) @ unpack(w).astype(x.dtype)  # noqa: E731
+    _, dy = jax.jvp(f, (x, g), (dx, dg))
+    return _prologue_matmul(x, g, w, mode, eps), dy
 
 
 @jax.custom_jvp

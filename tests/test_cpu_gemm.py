@@ -75,6 +75,42 @@ def test_bfloat16_panels_give_the_float32_product_of_the_rounded_weights():
                                   np.asarray(cpu_gemm.unpack(rounded)))
 
 
+@pytest.mark.parametrize("storage", ["float32", "bfloat16", "codes"])
+def test_the_norm_and_swiglu_prologues_match_their_ops_row_by_row(storage):
+    """`matmul(x, w, norm=...)` / `glu=True` apply RMSNorm / SwiGLU to x inside the kernel: the
+    ops' results to float32 rounding, each row bit-identical whatever the row count and in the
+    rows (prefill) kernel, and differentiable through x and the norm's weights as the ops are."""
+    rng = np.random.default_rng(3)
+    k, n = 96, 64
+    w = rng.standard_normal((k, n)).astype(np.float32)
+    if storage == "codes":  # a GGUF Q8_0 dequantization
+        from gguf import GGMLQuantizationType
+
+        pw = cpu_gemm.pack_exact(_gguf_blocks(w, GGMLQuantizationType.Q8_0))
+        assert pw.scales is not None
+    else:
+        pw = cpu_gemm.pack(w, None if storage == "float32" else jnp.bfloat16)
+    wf = np.asarray(cpu_gemm.unpack(pw)).astype(np.float32)
+    g = jnp.asarray(rng.uniform(0.5, 2.0, k).astype(np.float32))
+    for rows in (1, 3, 8, 12, 70):  # 70 rows: the prologue runs over the thread pool
+        x = jnp.asarray(3 * rng.standard_normal((rows, 2 * k)).astype(np.float32))
+        for kw, xin in (({"norm": (g, 1e-5)}, x[:, :k]), ({"glu": True}, x)):
+            mm = jax.jit(lambda x, r=None, kw=kw: cpu_gemm.matmul(x, pw, r, **kw))
+            y = np.asarray(mm(xin))
+            ref = np.asarray(cpu_gemm.prologue_reference(xin, **kw)) @ wf
+            np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+            one = np.concatenate([np.asarray(mm(xin[i:i + 1])) for i in range(rows)])
+            np.testing.assert_array_equal(y, one)
+            counts = jnp.asarray([rows], jnp.int32)
+            np.testing.assert_array_equal(np.asarray(mm(xin[None], counts))[0], y)
+    x = jnp.asarray(rng.standard_normal((4, k)).astype(np.float32))
+    loss = lambda f: lambda x, g: jnp.sum(jnp.sin(f(x, g)))  # noqa: E731
+    got = jax.grad(loss(lambda x, g: cpu_gemm.matmul(x, pw, norm=(g, 1e-5))), (0, 1))(x, g)
+    want = jax.grad(loss(lambda x, g: cpu_gemm.prologue_reference(x, (g, 1e-5)) @ wf), (0, 1))(x, g)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
 def test_leading_axes_and_gradients():
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((48, 64), dtype=np.float32))

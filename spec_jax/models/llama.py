@@ -139,8 +139,10 @@ def lm_head_weight(params):
 
 def lm_head(params, cfg: ModelConfig, hidden):
     """Final norm + LM head: hidden [..., H] -> float32 logits [..., V]."""
-    h = rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps)
-    return cpu_gemm.dot_f32(h, lm_head_weight(params))
+    w = lm_head_weight(params)
+    if isinstance(w, cpu_gemm.PackedWeight):  # the norm inside the kernel call
+        return matmul(hidden.astype(jnp.float32), w, norm=(params["final_norm"], cfg.rms_norm_eps))
+    return cpu_gemm.dot_f32(rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps), w)
 
 
 def embed(params, tokens):
@@ -157,13 +159,16 @@ def decoder_layer(lp, cfg: ModelConfig, x, rope, attend, input_norm=True, rows=N
     products skip the others (see `cpu_gemm.matmul`)."""
     b, t, _ = x.shape
     d = cfg.head_dim
+    eps = cfg.rms_norm_eps
     mm = functools.partial(matmul, rows=rows)
-    h = rms_norm(x, lp["attn_norm"], cfg.rms_norm_eps) if input_norm else x
+    # The norms and the SwiGLU go into the products (`matmul`'s norm and glu): the packed CPU
+    # kernel applies them to each row itself; elsewhere they are the same JAX ops as ever.
+    norm = (lp["attn_norm"], eps) if input_norm else None
     if "wqkv" in lp:  # packed side by side (`pack_layers`): one kernel call
         nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
-        q, k, v = jnp.split(mm(h, lp["wqkv"]), [nq, nq + nkv], axis=-1)
+        q, k, v = jnp.split(mm(x, lp["wqkv"], norm=norm), [nq, nq + nkv], axis=-1)
     else:
-        q, k, v = mm(h, lp["wq"]), mm(h, lp["wk"]), mm(h, lp["wv"])
+        q, k, v = (mm(x, lp[n], norm=norm) for n in ("wq", "wk", "wv"))
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q = apply_rope(q.reshape(b, t, cfg.num_heads, d), rope)
@@ -171,13 +176,13 @@ def decoder_layer(lp, cfg: ModelConfig, x, rope, attend, input_norm=True, rows=N
     v = v.reshape(b, t, cfg.num_kv_heads, d)
     a = attend(q, k, v).reshape(b, t, cfg.num_heads * d)
     x = x + mm(a, lp["wo"])
-    h = rms_norm(x, lp["mlp_norm"], cfg.rms_norm_eps)
+    norm = (lp["mlp_norm"], eps)
     if "w_gate_up" in lp:
-        gate, up = jnp.split(mm(h, lp["w_gate_up"]), 2, axis=-1)
+        gate_up = mm(x, lp["w_gate_up"], norm=norm)
     else:
-        gate, up = mm(h, lp["w_gate"]), mm(h, lp["w_up"])
-    x = x + mm(jax.nn.silu(gate) * up, lp["w_down"])
-    return x, k, v
+        gate_up = jnp.concatenate([mm(x, lp["w_gate"], norm=norm), mm(x, lp["w_up"], norm=norm)],
+                                  axis=-1)
+    return x + mm(gate_up, lp["w_down"], glu=True), k, v
 
 
 def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache, block_mask, *,
