@@ -8,11 +8,14 @@
 // and whichever rows share the call, so a row's result is bit-identical (decode and verify agree).
 // The panel width P is the build's (`spec_jax_gemm_panel()`): 32 with AVX-512, 16 without.
 //
-// Work is split over chunks of panels, shared with XLA's intra-op pool (cpu_pool.h).
+// Work is split over chunks of panels, shared with XLA's intra-op pool (cpu_pool.h). A call may
+// also transform x first (RMSNorm or SwiGLU: `prologue`) and y after (RoPE or a residual add:
+// `epilogue`), row by row, so those are no XLA ops of their own.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -329,38 +332,33 @@ void prologue_rows(int32_t mode, const float* x, const float* g, float eps, int6
   }
 }
 
-struct PrologueJob {
-  int32_t mode;
-  const float* x;
-  const float* g;
-  float eps;
-  int64_t K, R, chunk;
-  float* out;
+// fn(r0, r1) over rows [0, R): inline for a few rows, in chunks over the pool for a prefill's.
+struct RowsJob {
+  std::function<void(int64_t, int64_t)> fn;
+  int64_t R = 0, chunk = 16;
   spec_jax::Claims claims;  // one item per chunk of rows
 
   void drain() {
-    claims.drain([this](int64_t c) {
-      prologue_rows(mode, x, g, eps, K, c * chunk, std::min(R, (c + 1) * chunk), out);
-    });
+    claims.drain([this](int64_t c) { fn(c * chunk, std::min(R, (c + 1) * chunk)); });
   }
 };
 
-// The transformed x [R, K] into `out`: inline for a few rows, over the pool for a prefill's.
+void over_rows(ffi::ThreadPool& pool, int64_t R, std::function<void(int64_t, int64_t)> fn) {
+  if (R <= 64) return fn(0, R);
+  auto job = std::make_shared<RowsJob>();
+  job->fn = std::move(fn);
+  job->R = R;
+  job->claims.total = (R + job->chunk - 1) / job->chunk;
+  spec_jax::run_shared(pool, job);
+}
+
+// The transformed x [R, K] into `out`.
 void prologue(ffi::ThreadPool& pool, int32_t mode, const float* x, const float* g, float eps,
               int64_t R, int64_t K, std::vector<float>& out) {
   out.resize(R * K);
-  if (R <= 64) return prologue_rows(mode, x, g, eps, K, 0, R, out.data());
-  auto job = std::make_shared<PrologueJob>();
-  job->mode = mode;
-  job->x = x;
-  job->g = g;
-  job->eps = eps;
-  job->K = K;
-  job->R = R;
-  job->chunk = 16;
-  job->out = out.data();
-  job->claims.total = (R + job->chunk - 1) / job->chunk;
-  spec_jax::run_shared(pool, job);
+  over_rows(pool, R, [&](int64_t r0, int64_t r1) {
+    prologue_rows(mode, x, g, eps, K, r0, r1, out.data());
+  });
 }
 
 // The prologue a call asks for: `mode`, the norm's weights g [K] (a placeholder otherwise), eps.
@@ -370,6 +368,40 @@ struct Pro {
   int64_t g_size = 0;
   float eps = 0.0f;
 };
+
+// What a call applies to y after the product (its `epilogue` attribute): nothing, RoPE on the
+// first `rotate` columns in heads of D (Hugging Face's rotate-half layout; aux [R, D] holds each
+// row's cos, then sin, of D/2 frequencies), or y += aux (aux [R, N]: the residual stream). They
+// replace the rotations of q and k (XLA computed k's twice: for attention and for the cache) and
+// the residual adds, ~12 us a layer at 8 rows. Rows are transformed alone, as in the prologue.
+enum : int32_t { kNoEpilogue = 0, kRope = 1, kResidual = 2 };
+
+struct Epi {
+  int32_t mode = kNoEpilogue;
+  const float* aux = nullptr;
+  int64_t aux_rows = 0, aux_cols = 0, rotate = 0;
+};
+
+void epilogue_rows(const Epi& e, float* y, int64_t N, int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    float* yr = y + r * N;
+    const float* a = e.aux + r * e.aux_cols;
+    if (e.mode == kResidual) {
+      for (int64_t n = 0; n < N; ++n) yr[n] = a[n] + yr[n];
+      continue;
+    }
+    const int64_t half = e.aux_cols / 2;
+    for (int64_t h = 0; h < e.rotate; h += e.aux_cols) {
+      float* x1 = yr + h;
+      float* x2 = x1 + half;
+      for (int64_t j = 0; j < half; ++j) {
+        const float c = a[j], s = a[half + j], u = x1[j], v = x2[j];
+        x1[j] = u * c - v * s;
+        x2[j] = v * c + u * s;
+      }
+    }
+  }
+}
 
 template <typename W>
 struct Job {
@@ -395,17 +427,22 @@ struct Job {
 template <typename W>
 ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const int64_t> wd,
                const W* w, const uint16_t* scales, ffi::ResultBuffer<ffi::F32>& y, const Pro& pro,
-               const int32_t* seg = nullptr, int64_t nseg = 1) {
+               const Epi& epi, const int32_t* seg = nullptr, int64_t nseg = 1) {
   auto xd = x.dimensions(), yd = y->dimensions();
   const int64_t width = pro.mode == kSwiGlu ? 2 : 1;  // x's columns per row of K
   if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kRow<W> ||
       xd[1] != width * wd[1] || yd[0] != xd[0] || yd[1] != wd[0] * kPanel ||
       nseg < 1 || xd[0] % nseg != 0 || pro.mode < kNoPrologue || pro.mode > kSwiGlu ||
-      (pro.mode == kRmsNorm && pro.g_size != wd[1])) {
+      (pro.mode == kRmsNorm && pro.g_size != wd[1]) || epi.mode < kNoEpilogue ||
+      epi.mode > kResidual || (epi.mode != kNoEpilogue && epi.aux_rows != xd[0]) ||
+      (epi.mode == kResidual && epi.aux_cols != yd[1]) ||
+      (epi.mode == kRope && (epi.aux_cols < 2 || epi.aux_cols % 2 || epi.rotate < 0 ||
+                             epi.rotate % epi.aux_cols || epi.rotate > yd[1]))) {
     return ffi::Error::InvalidArgument(
         "spec_jax packed gemm: expected x [R, K] ([R, 2K] with a SwiGLU prologue), w [N/P, K, P], "
-        "y [R, N] with P = spec_jax_gemm_panel(), norm weights [K] with an RMSNorm prologue, and "
-        "row counts [S] with S dividing R");
+        "y [R, N] with P = spec_jax_gemm_panel(), norm weights [K] with an RMSNorm prologue, "
+        "cos/sin [R, D] with a RoPE epilogue of whole heads, a residual [R, N], and row counts "
+        "[S] with S dividing R");
   }
   auto job = std::make_shared<Job<W>>();
   job->x = x.typed_data();
@@ -430,24 +467,45 @@ ffi::Error Run(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Span<const 
   job->chunk = std::max<int64_t>(1, job->num_panels / (4 * spec_jax::pool_threads(pool)));
   job->claims.total = (job->num_panels + job->chunk - 1) / job->chunk;
   spec_jax::run_shared(pool, job);
+  if (epi.mode != kNoEpilogue) {
+    float* yp = job->y;
+    const int64_t N = job->N;
+    const Rows rows = job->rows;
+    over_rows(pool, job->R, [&](int64_t r0, int64_t r1) {
+      for (int64_t s = 0; s < rows.nseg; ++s) {  // the rows computed; the others stay zeros
+        const int64_t a = std::max(r0, rows.begin(s)), b = std::min(r1, rows.end(s));
+        if (a < b) epilogue_rows(epi, yp, N, a, b);
+      }
+    });
+  }
   return ffi::Error::Success();
+}
+
+Pro MakePro(ffi::Buffer<ffi::F32>& g, int32_t mode, float eps) {
+  return Pro{mode, g.typed_data(), static_cast<int64_t>(g.element_count()), eps};
+}
+
+Epi MakeEpi(ffi::Buffer<ffi::F32>& aux, int32_t mode, int32_t rotate) {
+  auto d = aux.dimensions();
+  return Epi{mode, aux.typed_data(), d.size() == 2 ? d[0] : 0, d.size() == 2 ? d[1] : 0, rotate};
 }
 
 template <ffi::DataType WT>
 ffi::Error PackedGemm(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> g,
-                      ffi::Buffer<WT> w, ffi::ResultBuffer<ffi::F32> y, int32_t prologue,
-                      float eps) {
-  const Pro pro{prologue, g.typed_data(), static_cast<int64_t>(g.element_count()), eps};
-  return Run(pool, x, w.dimensions(), w.typed_data(), nullptr, y, pro);
+                      ffi::Buffer<ffi::F32> aux, ffi::Buffer<WT> w, ffi::ResultBuffer<ffi::F32> y,
+                      int32_t prologue, float eps, int32_t epilogue, int32_t rotate) {
+  return Run(pool, x, w.dimensions(), w.typed_data(), nullptr, y, MakePro(g, prologue, eps),
+             MakeEpi(aux, epilogue, rotate));
 }
 
 // The same for the first rows[s] rows of each of the S segments of x (a padded prefill).
 template <ffi::DataType WT>
 ffi::Error PackedGemmRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> g,
-                          ffi::Buffer<WT> w, ffi::Buffer<ffi::S32> rows,
-                          ffi::ResultBuffer<ffi::F32> y, int32_t prologue, float eps) {
-  const Pro pro{prologue, g.typed_data(), static_cast<int64_t>(g.element_count()), eps};
-  return Run(pool, x, w.dimensions(), w.typed_data(), nullptr, y, pro, rows.typed_data(),
+                          ffi::Buffer<ffi::F32> aux, ffi::Buffer<WT> w, ffi::Buffer<ffi::S32> rows,
+                          ffi::ResultBuffer<ffi::F32> y, int32_t prologue, float eps,
+                          int32_t epilogue, int32_t rotate) {
+  return Run(pool, x, w.dimensions(), w.typed_data(), nullptr, y, MakePro(g, prologue, eps),
+             MakeEpi(aux, epilogue, rotate), rows.typed_data(),
              static_cast<int64_t>(rows.element_count()));
 }
 
@@ -455,7 +513,7 @@ ffi::Error PackedGemmRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Bu
 // [N/P, K/kBlock, 2, P] (d, then m); `seg`/`nseg` as in `Run`.
 ffi::Error Affine(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<ffi::U8>& w,
                   ffi::Buffer<ffi::F16>& s, ffi::ResultBuffer<ffi::F32>& y, const Pro& pro,
-                  const int32_t* seg = nullptr, int64_t nseg = 1) {
+                  const Epi& epi, const int32_t* seg = nullptr, int64_t nseg = 1) {
   auto wd = w.dimensions(), sd = s.dimensions();
   if (wd.size() != 3 || wd[1] % kBlock != 0 || sd.size() != 4 || sd[0] != wd[0] ||
       sd[1] != wd[1] / kBlock || sd[2] != 2 || sd[3] != kPanel ||
@@ -466,27 +524,27 @@ ffi::Error Affine(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& x, ffi::Buffer<f
   }
   auto scales = reinterpret_cast<const uint16_t*>(s.typed_data());
   if (wd[2] == kPanel / 2) {
-    return Run(pool, x, wd, reinterpret_cast<const Nib*>(w.typed_data()), scales, y, pro, seg,
-               nseg);
+    return Run(pool, x, wd, reinterpret_cast<const Nib*>(w.typed_data()), scales, y, pro, epi,
+               seg, nseg);
   }
-  return Run(pool, x, wd, w.typed_data(), scales, y, pro, seg, nseg);
+  return Run(pool, x, wd, w.typed_data(), scales, y, pro, epi, seg, nseg);
 }
 
 ffi::Error PackedGemmAffine(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                            ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::U8> w,
-                            ffi::Buffer<ffi::F16> s, ffi::ResultBuffer<ffi::F32> y,
-                            int32_t prologue, float eps) {
-  const Pro pro{prologue, g.typed_data(), static_cast<int64_t>(g.element_count()), eps};
-  return Affine(pool, x, w, s, y, pro);
+                            ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> aux,
+                            ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F16> s,
+                            ffi::ResultBuffer<ffi::F32> y, int32_t prologue, float eps,
+                            int32_t epilogue, int32_t rotate) {
+  return Affine(pool, x, w, s, y, MakePro(g, prologue, eps), MakeEpi(aux, epilogue, rotate));
 }
 
 ffi::Error PackedGemmAffineRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
-                                ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::U8> w,
-                                ffi::Buffer<ffi::F16> s, ffi::Buffer<ffi::S32> rows,
-                                ffi::ResultBuffer<ffi::F32> y, int32_t prologue, float eps) {
-  const Pro pro{prologue, g.typed_data(), static_cast<int64_t>(g.element_count()), eps};
-  return Affine(pool, x, w, s, y, pro, rows.typed_data(),
-                static_cast<int64_t>(rows.element_count()));
+                                ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> aux,
+                                ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F16> s,
+                                ffi::Buffer<ffi::S32> rows, ffi::ResultBuffer<ffi::F32> y,
+                                int32_t prologue, float eps, int32_t epilogue, int32_t rotate) {
+  return Affine(pool, x, w, s, y, MakePro(g, prologue, eps), MakeEpi(aux, epilogue, rotate),
+                rows.typed_data(), static_cast<int64_t>(rows.element_count()));
 }
 
 }  // namespace
@@ -500,51 +558,67 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemm, PackedGemm<ffi::F32>,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("prologue")
-                                  .Attr<float>("eps"));
+                                  .Attr<float>("eps")
+                                  .Attr<int32_t>("epilogue")
+                                  .Attr<int32_t>("rotate"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmBf16, PackedGemm<ffi::BF16>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("prologue")
-                                  .Attr<float>("eps"));
+                                  .Attr<float>("eps")
+                                  .Attr<int32_t>("epilogue")
+                                  .Attr<int32_t>("rotate"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmAffine, PackedGemmAffine,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
                                   .Arg<ffi::Buffer<ffi::F16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("prologue")
-                                  .Attr<float>("eps"));
+                                  .Attr<float>("eps")
+                                  .Attr<int32_t>("epilogue")
+                                  .Attr<int32_t>("rotate"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmRows, PackedGemmRows<ffi::F32>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("prologue")
-                                  .Attr<float>("eps"));
+                                  .Attr<float>("eps")
+                                  .Attr<int32_t>("epilogue")
+                                  .Attr<int32_t>("rotate"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmBf16Rows, PackedGemmRows<ffi::BF16>,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("prologue")
-                                  .Attr<float>("eps"));
+                                  .Attr<float>("eps")
+                                  .Attr<int32_t>("epilogue")
+                                  .Attr<int32_t>("rotate"));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmAffineRows, PackedGemmAffineRows,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U8>>()
@@ -552,4 +626,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmAffineRows, PackedGemmAffineRows,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int32_t>("prologue")
-                                  .Attr<float>("eps"));
+                                  .Attr<float>("eps")
+                                  .Attr<int32_t>("epilogue")
+                                  .Attr<int32_t>("rotate"));

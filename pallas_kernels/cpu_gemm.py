@@ -34,12 +34,14 @@ against 19.9, where the arithmetic, not the stream, sets the time. At one row th
 arithmetic-bound too (a 4-bit panel streams no faster than a byte panel: the widening and
 conversion cost more per weight than the bytes do).
 
-A call may also transform x before the product (`matmul`'s norm and glu, the kernel's prologue):
-Llama's RMSNorm before the q/k/v, gate/up and LM-head products and SwiGLU before the down product
-(`spec_jax.models.llama.decoder_layer`). Each row is transformed alone, so rows stay independent
-of each other; the XLA fusions this replaces were 5 thunks a layer, and SmolLM2's forward spent
-0.91-0.93 ms in its fusions at 8 tokens and 0.34-0.36 at one token, 0.34-0.40 and 0.16-0.17 with
-the prologue (fifty-third session).
+A call may also transform x before the product and y after it (`matmul`'s norm, glu, rope and
+residual: the kernel's prologue and epilogue): Llama's RMSNorm before the q/k/v, gate/up and
+LM-head products, SwiGLU before the down product, RoPE on the q and k columns of the q/k/v
+product, and the residual add after the o and down products (`spec_jax.models.llama
+.decoder_layer`). Each row is transformed alone, so rows stay independent of each other. They
+replace 9 of the 14 XLA fusions a layer had: SmolLM2's float32 forward spent 0.91-0.93 ms in
+fusions at 8 tokens and 0.34-0.36 at one token, 0.20-0.21 and 0.10-0.14 with both (fifty-third
+session, docs/benchmarks.md).
 
 The kernel is built with g++ on first use (`cpu_build`); without a compiler, `available()` is
 False and callers keep XLA's dot: nothing is lost but the speed.
@@ -203,27 +205,40 @@ ROWS_TARGETS = {jnp.dtype(jnp.float32): "spec_jax_packed_gemm_rows",
                 jnp.dtype(jnp.uint8): "spec_jax_packed_gemm_affine_rows"}
 
 
-def matmul(x, w, rows=None, norm=None, glu: bool = False):
+def matmul(x, w, rows=None, norm=None, glu: bool = False, rope=None, residual=None):
     """x [..., K] @ w [K, N] -> [..., N]; w a plain matrix or a PackedWeight.
 
     rows: None, or int32 [B] for x [B, T, K] (a padded prefill): the kernel for float32,
     bfloat16 or code panels computes only each batch row's first rows[b] tokens, the rest of y
     being zeros (elsewhere every row is computed: the results differ only in those rows). Not
     differentiable.
-    norm: (g [K], eps): the product of Llama's RMSNorm of x (`rms_norm`) instead of x.
+    norm: (g [K], eps as a Python float): the product of Llama's RMSNorm of x instead of x.
     glu: x [..., 2K] = [a, b]: the product of silu(a) * b (SwiGLU) instead of x.
-    With a PackedWeight the kernel applies either to x itself (its prologue), so they cost no
-    XLA op of their own; results match the ops' to float32 rounding, not to the bit."""
-    mode = PROLOGUE_NORM if norm is not None else PROLOGUE_GLU if glu else 0
-    if mode and not (isinstance(w, PackedWeight) and _kernel_takes(x, w)):
-        return matmul(prologue_reference(x, norm, glu), w, rows)
+    rope: (cs [..., D], cols): the first `cols` columns of the product rotated in heads of D
+      (Hugging Face's rotate-half RoPE; cs holds each row's cos then sin of D/2 frequencies).
+    residual: [..., N], added to the product.
+    With a PackedWeight the kernel does these itself (its prologue and epilogue), so they cost
+    no XLA op of their own; results match the ops' to float32 rounding, not to the bit, and
+    rows stay independent of each other. Otherwise they are the JAX ops
+    (`prologue_reference`, `epilogue_reference`)."""
+    if (norm is not None and glu) or (rope is not None and residual is not None):
+        raise ValueError("matmul takes one of norm and glu, and one of rope and residual")
+    pro = PROLOGUE_NORM if norm is not None else PROLOGUE_GLU if glu else 0
+    epi = EPILOGUE_ROPE if rope is not None else EPILOGUE_RESIDUAL if residual is not None else 0
+    if (pro or epi) and not (isinstance(w, PackedWeight) and _kernel_takes(x, w)
+                             and (rows is None or w.panels.dtype in ROWS_TARGETS)):
+        y = matmul(prologue_reference(x, norm, glu), w, rows)
+        return epilogue_reference(y, rope, residual)
     if not isinstance(w, PackedWeight):
         return x @ w
-    if mode:
-        g, eps = norm if norm is not None else (jnp.zeros((1,), jnp.float32), 0.0)
+    if pro or epi:
+        g, eps = norm if norm is not None else (_NONE, 0.0)
+        aux, cols = (rope if rope is not None else
+                     (residual, 0) if residual is not None else (_NONE, 0))
+        spec = (pro, float(eps), epi, int(cols))
         if rows is not None:
-            return _kernel_product(x, w, rows, (mode, g, eps))
-        return _prologue_matmul(x, g.astype(jnp.float32), w, mode, float(eps))
+            return _kernel_product(x, w, rows, spec, g, aux)
+        return _fused_matmul(x, g.astype(jnp.float32), aux.astype(jnp.float32), w, spec)
     if rows is not None and w.panels.dtype in ROWS_TARGETS:
         return _kernel_product(x, w, rows)
     if w.scales is not None:
@@ -232,6 +247,8 @@ def matmul(x, w, rows=None, norm=None, glu: bool = False):
 
 
 PROLOGUE_NORM, PROLOGUE_GLU = 1, 2  # the kernel's `prologue` attribute (cpu_gemm.cc)
+EPILOGUE_ROPE, EPILOGUE_RESIDUAL = 1, 2  # its `epilogue` attribute
+_NONE = np.zeros((1,), np.float32)  # the kernel's g or aux operand where a call has none
 
 
 def prologue_reference(x, norm=None, glu: bool = False):
@@ -245,6 +262,22 @@ def prologue_reference(x, norm=None, glu: bool = False):
         a, b = jnp.split(x, 2, axis=-1)
         return jax.nn.silu(a) * b
     return x
+
+
+def epilogue_reference(y, rope=None, residual=None):
+    """What `matmul`'s rope / residual apply to its product y, in JAX ops."""
+    if rope is not None:
+        cs, cols = rope
+        d = cs.shape[-1]
+        lead = y.shape[:-1]
+        heads = y[..., :cols].astype(jnp.float32).reshape(*lead, cols // d, d)
+        cos, sin = cs[..., None, : d // 2], cs[..., None, d // 2:]
+        x1, x2 = jnp.split(heads, 2, axis=-1)
+        rot = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+        y = jnp.concatenate([rot.reshape(*lead, cols).astype(y.dtype), y[..., cols:]], axis=-1)
+    if residual is not None:
+        y = residual + y
+    return y
 
 
 def dot_f32(x, w):
@@ -261,47 +294,57 @@ def _kernel_takes(x, w: PackedWeight) -> bool:
             and w.shape[1] // w.panels.shape[0] == panel_width())
 
 
-def _kernel_product(x, w: PackedWeight, rows=None, pro=None):
+def _kernel_product(x, w: PackedWeight, rows=None, spec=(0, 0.0, 0, 0), g=_NONE, aux=_NONE):
     """x [..., K] @ w through the FFI kernel for w's panel dtype, or XLA's dot on the unpacked
     matrix where the kernel cannot take it (x empty or not float32, kernel not built here).
-    `rows` as in `matmul`; `pro`: (mode, g, eps), the kernel's prologue (`matmul`'s norm, glu)."""
+    `rows` as in `matmul`; `spec` (prologue, eps, epilogue, rotated columns) with the operands g
+    (the norm's weights) and aux (cos/sin or the residual) as `matmul`'s norm, glu, rope and
+    residual ask."""
     k, n = w.shape
     lead = x.shape[:-1]
     r = int(np.prod(lead, dtype=np.int64))
     targets = TARGETS if rows is None else ROWS_TARGETS
-    mode, g, eps = pro if pro is not None else (0, None, 0.0)
+    pro, eps, epi, cols = spec
     if not _kernel_takes(x, w) or w.panels.dtype not in targets:
-        x = prologue_reference(x, (g, eps) if mode == PROLOGUE_NORM else None,
-                               mode == PROLOGUE_GLU)
-        return x @ unpack(w).astype(x.dtype)
-    if g is None:
-        g = jnp.zeros((1,), jnp.float32)
-    operands = (g.astype(jnp.float32), w.panels) + (() if w.scales is None else (w.scales,))
+        x = prologue_reference(x, (g, eps) if pro == PROLOGUE_NORM else None, pro == PROLOGUE_GLU)
+        y = x @ unpack(w).astype(x.dtype)
+        return epilogue_reference(y, (aux, cols) if epi == EPILOGUE_ROPE else None,
+                                  aux if epi == EPILOGUE_RESIDUAL else None)
+    aux = jnp.asarray(aux, jnp.float32)
+    aux = aux.reshape(r, aux.shape[-1]) if epi else aux.reshape(1, -1)
+    operands = (jnp.asarray(g, jnp.float32), aux, w.panels)
+    operands += () if w.scales is None else (w.scales,)
     if rows is not None:
         if x.ndim != 3 or rows.shape != x.shape[:1]:
             raise ValueError(f"rows {rows.shape} must hold one count per row of x [B, T, K], "
                              f"got x {x.shape}")
         operands += (rows.astype(jnp.int32),)
     y = jax.ffi.ffi_call(targets[w.panels.dtype], jax.ShapeDtypeStruct((r, n), jnp.float32),
-                         vmap_method="sequential")(x.reshape(r, x.shape[-1]), *operands,
-                                                   prologue=np.int32(mode), eps=np.float32(eps))
+                         vmap_method="sequential")(
+        x.reshape(r, x.shape[-1]), *operands, prologue=np.int32(pro), eps=np.float32(eps),
+        epilogue=np.int32(epi), rotate=np.int32(cols))
     return y.reshape(*lead, n)
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(3, 4))
-def _prologue_matmul(x, g, w: PackedWeight, mode: int, eps: float):
-    return _kernel_product(x, w, None, (mode, g, eps))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(4,))
+def _fused_matmul(x, g, aux, w: PackedWeight, spec):
+    return _kernel_product(x, w, None, spec, g, aux)
 
 
-@_prologue_matmul.defjvp
-def _prologue_matmul_jvp(mode, eps, primals, tangents):
-    """Through x and g only, as the JAX ops would be (the weights are frozen here)."""
-    x, g, w = primals
-    dx, dg, _ = tangents
-    norm = lambda g: (g, eps) if mode == PROLOGUE_NORM else None  # noqa: E731
-    f = lambda x, g: prologue_reference(x, norm(g), mode == PROLOGUE_GLU) @ unpack(w).astype(x.dtype)  # noqa: E731
-    _, dy = jax.jvp(f, (x, g), (dx, dg))
-    return _prologue_matmul(x, g, w, mode, eps), dy
+@_fused_matmul.defjvp
+def _fused_matmul_jvp(spec, primals, tangents):
+    """Through x, g and aux only, as the JAX ops would be (the weights are frozen here)."""
+    x, g, aux, w = primals
+    pro, eps, epi, cols = spec
+
+    def f(x, g, aux):
+        h = prologue_reference(x, (g, eps) if pro == PROLOGUE_NORM else None, pro == PROLOGUE_GLU)
+        return epilogue_reference(h @ unpack(w).astype(x.dtype),
+                                  (aux, cols) if epi == EPILOGUE_ROPE else None,
+                                  aux if epi == EPILOGUE_RESIDUAL else None)
+
+    _, dy = jax.jvp(f, (x, g, aux), tangents[:3])
+    return _fused_matmul(x, g, aux, w, spec), dy
 
 
 @jax.custom_jvp

@@ -76,10 +76,11 @@ def test_bfloat16_panels_give_the_float32_product_of_the_rounded_weights():
 
 
 @pytest.mark.parametrize("storage", ["float32", "bfloat16", "codes"])
-def test_the_norm_and_swiglu_prologues_match_their_ops_row_by_row(storage):
-    """`matmul(x, w, norm=...)` / `glu=True` apply RMSNorm / SwiGLU to x inside the kernel: the
-    ops' results to float32 rounding, each row bit-identical whatever the row count and in the
-    rows (prefill) kernel, and differentiable through x and the norm's weights as the ops are."""
+def test_the_kernels_prologues_and_epilogues_match_their_ops_row_by_row(storage):
+    """`matmul(x, w, norm=...)` / `glu=True` apply RMSNorm / SwiGLU to x and `rope=` /
+    `residual=` RoPE / a residual add to the product inside the kernel: the ops' results to
+    float32 rounding, each row bit-identical whatever the row count and in the rows (prefill)
+    kernel, and differentiable as the ops are."""
     rng = np.random.default_rng(3)
     k, n = 96, 64
     w = rng.standard_normal((k, n)).astype(np.float32)
@@ -103,10 +104,37 @@ def test_the_norm_and_swiglu_prologues_match_their_ops_row_by_row(storage):
             np.testing.assert_array_equal(y, one)
             counts = jnp.asarray([rows], jnp.int32)
             np.testing.assert_array_equal(np.asarray(mm(xin[None], counts))[0], y)
+        ang = rng.uniform(0, 6, (rows, 16)).astype(np.float32)  # heads of D = 32
+        cs = jnp.asarray(np.concatenate([np.cos(ang), np.sin(ang)], -1))
+        res = jnp.asarray(rng.standard_normal((rows, n)).astype(np.float32))
+        for kw in ({"rope": (cs, 32)}, {"rope": (cs, 64), "norm": (g, 1e-5)},
+                   {"residual": res, "glu": True}):
+            xin = x if kw.get("glu") else x[:, :k]
+            y = np.asarray(cpu_gemm.matmul(xin, pw, **kw))
+            pre = {a: b for a, b in kw.items() if a in ("norm", "glu")}
+            ref = np.asarray(cpu_gemm.epilogue_reference(
+                jnp.asarray(np.asarray(cpu_gemm.prologue_reference(xin, **pre)) @ wf),
+                kw.get("rope"), kw.get("residual")))
+            np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+            counts = jnp.asarray([rows], jnp.int32)
+            batched = {a: ((b[0][None], b[1]) if a == "rope" else
+                           b[None] if a == "residual" else b) for a, b in kw.items()}
+            np.testing.assert_array_equal(
+                np.asarray(cpu_gemm.matmul(xin[None], pw, counts, **batched))[0], y)
+            one = np.concatenate([np.asarray(cpu_gemm.matmul(
+                xin[i:i + 1], pw, **{a: ((b[0][i:i + 1], b[1]) if a == "rope" else
+                                          b[i:i + 1] if a == "residual" else b)
+                                     for a, b in kw.items()})) for i in range(rows)])
+            np.testing.assert_array_equal(y, one)
     x = jnp.asarray(rng.standard_normal((4, k)).astype(np.float32))
     loss = lambda f: lambda x, g: jnp.sum(jnp.sin(f(x, g)))  # noqa: E731
     got = jax.grad(loss(lambda x, g: cpu_gemm.matmul(x, pw, norm=(g, 1e-5))), (0, 1))(x, g)
     want = jax.grad(loss(lambda x, g: cpu_gemm.prologue_reference(x, (g, 1e-5)) @ wf), (0, 1))(x, g)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+    r = jnp.asarray(rng.standard_normal((4, n)).astype(np.float32))
+    got = jax.grad(lambda x, r: jnp.sum(jnp.sin(cpu_gemm.matmul(x, pw, residual=r))), (0, 1))(x, r)
+    want = jax.grad(lambda x, r: jnp.sum(jnp.sin(r + x @ wf)), (0, 1))(x, r)
     for a, b in zip(got, want):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
 

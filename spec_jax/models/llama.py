@@ -87,8 +87,16 @@ def _rope_np_table(cfg: ModelConfig) -> np.ndarray:
     return table
 
 
-def rope_table(positions, cfg: ModelConfig):
-    """positions [B, T] -> (cos, sin), each [B, T, 1, D/2] float32, made once per forward.
+class Rope(NamedTuple):
+    """A forward's RoPE angles: cos, sin [B, T, 1, D/2] (`apply_rope`) and cs [B, T, D], the two
+    side by side (what the packed CPU kernel's epilogue reads, `cpu_gemm.matmul`'s rope)."""
+    cos: jax.Array
+    sin: jax.Array
+    cs: jax.Array
+
+
+def rope_table(positions, cfg: ModelConfig) -> Rope:
+    """positions [B, T] -> `Rope` (cos, sin [B, T, 1, D/2] float32; cs), made once per forward.
 
     Read from a constant table of every position the model has: computed in-graph, cos and sin
     were fused into each layer's rotation and evaluated once per rotated element (heads x both
@@ -97,14 +105,15 @@ def rope_table(positions, cfg: ModelConfig):
     half = cfg.head_dim // 2
     if cfg.max_position_embeddings > ROPE_TABLE_MAX:
         ang = positions.astype(jnp.float32)[..., None] * _inv_freq_np(cfg)  # [B, T, D/2]
-        return jnp.cos(ang)[:, :, None, :], jnp.sin(ang)[:, :, None, :]
-    cs = jnp.take(_rope_np_table(cfg), positions, axis=0, mode="clip")[:, :, None, :]
-    return cs[..., :half], cs[..., half:]
+        cos, sin = jnp.cos(ang), jnp.sin(ang)
+        return Rope(cos[:, :, None, :], sin[:, :, None, :], jnp.concatenate([cos, sin], -1))
+    cs = jnp.take(_rope_np_table(cfg), positions, axis=0, mode="clip")  # [B, T, D]
+    return Rope(cs[:, :, None, :half], cs[:, :, None, half:], cs)
 
 
 def apply_rope(x, rope):
     """x [B, T, N, D] rotated by `rope_table`'s (cos, sin) (Hugging Face's rotate-half layout)."""
-    cos, sin = rope
+    cos, sin = rope[0], rope[1]
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -161,28 +170,40 @@ def decoder_layer(lp, cfg: ModelConfig, x, rope, attend, input_norm=True, rows=N
     d = cfg.head_dim
     eps = cfg.rms_norm_eps
     mm = functools.partial(matmul, rows=rows)
-    # The norms and the SwiGLU go into the products (`matmul`'s norm and glu): the packed CPU
-    # kernel applies them to each row itself; elsewhere they are the same JAX ops as ever.
+    # The norms, the SwiGLU, RoPE and the residual adds go into the products (`matmul`'s norm,
+    # glu, rope, residual): the packed CPU kernel applies them to each row itself; elsewhere they
+    # are the same JAX ops as ever.
     norm = (lp["attn_norm"], eps) if input_norm else None
-    if "wqkv" in lp:  # packed side by side (`pack_layers`): one kernel call
-        nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
-        q, k, v = jnp.split(mm(x, lp["wqkv"], norm=norm), [nq, nq + nkv], axis=-1)
+    nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
+    packed = isinstance(lp.get("wqkv", lp.get("wq")), cpu_gemm.PackedWeight)
+    if packed and "bq" not in lp and isinstance(rope, Rope):  # q and k rotated in the kernel
+        if "wqkv" in lp:  # side by side (`pack_layers`): one kernel call
+            qkv = mm(x, lp["wqkv"], norm=norm, rope=(rope.cs, nq + nkv))
+            q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
+        else:
+            q = mm(x, lp["wq"], norm=norm, rope=(rope.cs, nq))
+            k = mm(x, lp["wk"], norm=norm, rope=(rope.cs, nkv))
+            v = mm(x, lp["wv"], norm=norm)
+        q, k, v = (a.reshape(b, t, -1, d) for a in (q, k, v))
     else:
-        q, k, v = (mm(x, lp[n], norm=norm) for n in ("wq", "wk", "wv"))
-    if "bq" in lp:
-        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-    q = apply_rope(q.reshape(b, t, cfg.num_heads, d), rope)
-    k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, d), rope)
-    v = v.reshape(b, t, cfg.num_kv_heads, d)
-    a = attend(q, k, v).reshape(b, t, cfg.num_heads * d)
-    x = x + mm(a, lp["wo"])
+        if "wqkv" in lp:
+            q, k, v = jnp.split(mm(x, lp["wqkv"], norm=norm), [nq, nq + nkv], axis=-1)
+        else:
+            q, k, v = (mm(x, lp[n], norm=norm) for n in ("wq", "wk", "wv"))
+        if "bq" in lp:
+            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+        q = apply_rope(q.reshape(b, t, cfg.num_heads, d), rope)
+        k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, d), rope)
+        v = v.reshape(b, t, cfg.num_kv_heads, d)
+    a = attend(q, k, v).reshape(b, t, nq)
+    x = mm(a, lp["wo"], residual=x)
     norm = (lp["mlp_norm"], eps)
     if "w_gate_up" in lp:
         gate_up = mm(x, lp["w_gate_up"], norm=norm)
     else:
         gate_up = jnp.concatenate([mm(x, lp["w_gate"], norm=norm), mm(x, lp["w_up"], norm=norm)],
                                   axis=-1)
-    return x + mm(gate_up, lp["w_down"], glu=True), k, v
+    return mm(gate_up, lp["w_down"], glu=True, residual=x), k, v
 
 
 def forward(params, cfg: ModelConfig, tokens, positions, cache: KVCache, block_mask, *,
