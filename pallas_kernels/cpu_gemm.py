@@ -251,13 +251,23 @@ EPILOGUE_ROPE, EPILOGUE_RESIDUAL = 1, 2  # its `epilogue` attribute
 _NONE = np.zeros((1,), np.float32)  # the kernel's g or aux operand where a call has none
 
 
+def rms_norm(x, w, eps):
+    """Llama's RMSNorm over the last axis, in float32: x * rsqrt(mean(x^2) + eps) * w."""
+    xf = x.astype(jnp.float32)
+    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rotate_half(x, cos, sin):
+    """x [..., D] rotated by cos, sin [..., D/2] (Hugging Face's rotate-half RoPE), in float32."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
+
+
 def prologue_reference(x, norm=None, glu: bool = False):
     """What `matmul`'s norm / glu apply to x, in JAX ops."""
     if norm is not None:
-        g, eps = norm
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-        return (y * g.astype(jnp.float32)).astype(x.dtype)
+        return rms_norm(x, *norm)
     if glu:
         a, b = jnp.split(x, 2, axis=-1)
         return jax.nn.silu(a) * b
@@ -270,11 +280,9 @@ def epilogue_reference(y, rope=None, residual=None):
         cs, cols = rope
         d = cs.shape[-1]
         lead = y.shape[:-1]
-        heads = y[..., :cols].astype(jnp.float32).reshape(*lead, cols // d, d)
-        cos, sin = cs[..., None, : d // 2], cs[..., None, d // 2:]
-        x1, x2 = jnp.split(heads, 2, axis=-1)
-        rot = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-        y = jnp.concatenate([rot.reshape(*lead, cols).astype(y.dtype), y[..., cols:]], axis=-1)
+        heads = y[..., :cols].reshape(*lead, cols // d, d)
+        rot = rotate_half(heads, cs[..., None, : d // 2], cs[..., None, d // 2:])
+        y = jnp.concatenate([rot.reshape(*lead, cols), y[..., cols:]], axis=-1)
     if residual is not None:
         y = residual + y
     return y
@@ -306,10 +314,7 @@ def _kernel_product(x, w: PackedWeight, rows=None, spec=(0, 0.0, 0, 0), g=_NONE,
     targets = TARGETS if rows is None else ROWS_TARGETS
     pro, eps, epi, cols = spec
     if not _kernel_takes(x, w) or w.panels.dtype not in targets:
-        x = prologue_reference(x, (g, eps) if pro == PROLOGUE_NORM else None, pro == PROLOGUE_GLU)
-        y = x @ unpack(w).astype(x.dtype)
-        return epilogue_reference(y, (aux, cols) if epi == EPILOGUE_ROPE else None,
-                                  aux if epi == EPILOGUE_RESIDUAL else None)
+        return _spec_reference(x, w, spec, g, aux)
     aux = jnp.asarray(aux, jnp.float32)
     aux = aux.reshape(r, aux.shape[-1]) if epi else aux.reshape(1, -1)
     operands = (jnp.asarray(g, jnp.float32), aux, w.panels)
@@ -335,16 +340,18 @@ def _fused_matmul(x, g, aux, w: PackedWeight, spec):
 def _fused_matmul_jvp(spec, primals, tangents):
     """Through x, g and aux only, as the JAX ops would be (the weights are frozen here)."""
     x, g, aux, w = primals
-    pro, eps, epi, cols = spec
-
-    def f(x, g, aux):
-        h = prologue_reference(x, (g, eps) if pro == PROLOGUE_NORM else None, pro == PROLOGUE_GLU)
-        return epilogue_reference(h @ unpack(w).astype(x.dtype),
-                                  (aux, cols) if epi == EPILOGUE_ROPE else None,
-                                  aux if epi == EPILOGUE_RESIDUAL else None)
-
-    _, dy = jax.jvp(f, (x, g, aux), tangents[:3])
+    _, dy = jax.jvp(lambda x, g, aux: _spec_reference(x, w, spec, g, aux), (x, g, aux),
+                    tangents[:3])
     return _fused_matmul(x, g, aux, w, spec), dy
+
+
+def _spec_reference(x, w: PackedWeight, spec, g, aux):
+    """`_kernel_product`'s prologue, product and epilogue (`spec`) as JAX ops on w's matrix."""
+    pro, eps, epi, cols = spec
+    h = prologue_reference(x, (g, eps) if pro == PROLOGUE_NORM else None, pro == PROLOGUE_GLU)
+    return epilogue_reference(h @ unpack(w).astype(h.dtype),
+                              (aux, cols) if epi == EPILOGUE_ROPE else None,
+                              aux if epi == EPILOGUE_RESIDUAL else None)
 
 
 @jax.custom_jvp

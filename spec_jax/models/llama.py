@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import cpu_gemm, tree_attention
-from pallas_kernels.cpu_gemm import matmul
+from pallas_kernels.cpu_gemm import matmul, rms_norm
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
 
@@ -35,12 +35,6 @@ class ForwardOut(NamedTuple):
     aux_hidden: jax.Array | None  # [B, T, n_aux * H] inputs of the requested layers, concatenated
     k_new: jax.Array  # [L, B, T, KVH, D]
     v_new: jax.Array  # [L, B, T, KVH, D]
-
-
-def rms_norm(x, w, eps):
-    xf = x.astype(jnp.float32)
-    y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
-    return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
 def rope_inv_freq(cfg: ModelConfig) -> jax.Array:
@@ -113,11 +107,7 @@ def rope_table(positions, cfg: ModelConfig) -> Rope:
 
 def apply_rope(x, rope):
     """x [B, T, N, D] rotated by `rope_table`'s (cos, sin) (Hugging Face's rotate-half layout)."""
-    cos, sin = rope[0], rope[1]
-    xf = x.astype(jnp.float32)
-    x1, x2 = jnp.split(xf, 2, axis=-1)
-    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-    return out.astype(x.dtype)
+    return cpu_gemm.rotate_half(x, rope[0], rope[1])
 
 
 def init_params(cfg: ModelConfig, key, scale: float = 0.02):
@@ -176,25 +166,20 @@ def decoder_layer(lp, cfg: ModelConfig, x, rope, attend, input_norm=True, rows=N
     norm = (lp["attn_norm"], eps) if input_norm else None
     nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
     packed = isinstance(lp.get("wqkv", lp.get("wq")), cpu_gemm.PackedWeight)
-    if packed and "bq" not in lp and isinstance(rope, Rope):  # q and k rotated in the kernel
-        if "wqkv" in lp:  # side by side (`pack_layers`): one kernel call
-            qkv = mm(x, lp["wqkv"], norm=norm, rope=(rope.cs, nq + nkv))
-            q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
-        else:
-            q = mm(x, lp["wq"], norm=norm, rope=(rope.cs, nq))
-            k = mm(x, lp["wk"], norm=norm, rope=(rope.cs, nkv))
-            v = mm(x, lp["wv"], norm=norm)
-        q, k, v = (a.reshape(b, t, -1, d) for a in (q, k, v))
+    in_kernel = packed and "bq" not in lp and isinstance(rope, Rope)  # q, k rotated in the call
+    rot = (lambda cols: (rope.cs, cols)) if in_kernel else (lambda cols: None)  # noqa: E731
+    if "wqkv" in lp:  # side by side (`pack_layers`): one kernel call
+        qkv = mm(x, lp["wqkv"], norm=norm, rope=rot(nq + nkv))
+        q, k, v = jnp.split(qkv, [nq, nq + nkv], axis=-1)
     else:
-        if "wqkv" in lp:
-            q, k, v = jnp.split(mm(x, lp["wqkv"], norm=norm), [nq, nq + nkv], axis=-1)
-        else:
-            q, k, v = (mm(x, lp[n], norm=norm) for n in ("wq", "wk", "wv"))
-        if "bq" in lp:
-            q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
-        q = apply_rope(q.reshape(b, t, cfg.num_heads, d), rope)
-        k = apply_rope(k.reshape(b, t, cfg.num_kv_heads, d), rope)
-        v = v.reshape(b, t, cfg.num_kv_heads, d)
+        q = mm(x, lp["wq"], norm=norm, rope=rot(nq))
+        k = mm(x, lp["wk"], norm=norm, rope=rot(nkv))
+        v = mm(x, lp["wv"], norm=norm)
+    if "bq" in lp:
+        q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
+    q, k, v = (a.reshape(b, t, -1, d) for a in (q, k, v))
+    if not in_kernel:
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
     a = attend(q, k, v).reshape(b, t, nq)
     x = mm(a, lp["wo"], residual=x)
     norm = (lp["mlp_norm"], eps)
