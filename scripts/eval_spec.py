@@ -1,11 +1,15 @@
 """Greedy speculative decoding over the eval prompt sets: equality with plain decoding and tau.
 
-For every prompt of ../shared/data/eval (MT-bench and Vicuna-bench first turns, HumanEval), runs
-plain greedy decoding and speculative decoding (batched, greedy), then prints per drafter and set:
+For every prompt of ../shared/data/eval (MT-bench's conversations of two turns, Vicuna-bench,
+HumanEval), runs plain greedy decoding and speculative decoding (batched, greedy), then prints per
+drafter and set:
 prompts compared, prompts whose tokens differ from plain decoding, and tau (mean accepted tokens
 per target call). With --rotate, each prompt is checked with one drafter in turn (all drafters
 over all prompts would take hours on 2 CPU cores). With --temperature > 0 it samples (chunk j of
 a set with seed --seed + j) and reports tau only: sampled output is not comparable token for token.
+A multi-turn prompt's later turns are asked after the answers to the turns before it (plain
+decoding's, or with --tau-only the drafter's own), as the EAGLE and Medusa evaluations play
+MT-bench; --turns first asks first turns only (what sessions before the fifty-fourth reported).
 
     python scripts/eval_spec.py --drafts ngram random:eagle random:eagle3 random:medusa random:mtp --rotate
     python scripts/eval_spec.py --drafts checkpoints/smollm2-135m-instruct-eagle --limit 20
@@ -18,7 +22,7 @@ import time
 from collections import defaultdict
 
 import spec_jax
-from spec_jax.data import read_prompts, spread
+from spec_jax.data import conversation, read_prompts, spread
 from spec_jax.heads.graft import uses_datastore
 
 SETS = {"mt_bench": "../shared/data/eval/mt_bench/question.jsonl",
@@ -52,6 +56,8 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--datastore", default=None, help="for drafts whose tree has +ds:N")
     ap.add_argument("--layers", default="scan", help="scan compiles much faster than unrolled")
+    ap.add_argument("--turns", choices=("all", "first"), default="all",
+                    help="multi-turn prompts: every turn (the default), or the first alone")
     a = ap.parse_args()
     a.tau_only = a.tau_only or a.temperature > 0
     sampling = {"temperature": a.temperature, "top_p": a.top_p}
@@ -64,8 +70,9 @@ def main():
     t0 = time.time()
     for set_name in a.sets:
         path = SETS[set_name]
-        prompts = [p.text for p in spread(read_prompts(path), a.limit)]
-        prompts.sort(key=len)  # neighbours share a padded shape: fewer compilations
+        prompts = [p.turns if a.turns == "all" and p.turns else (p.text,)
+                   for p in spread(read_prompts(path), a.limit)]
+        prompts.sort(key=lambda turns: len(turns[0]))  # neighbours share a padded shape
         assign = defaultdict(list)
         for i, p in enumerate(prompts):
             names = [a.drafts[i % len(a.drafts)]] if a.rotate else a.drafts
@@ -75,19 +82,29 @@ def main():
             draft, tree = drafts[name]
             for i in range(0, len(ps), a.batch):
                 chunk = ps[i:i + a.batch]
-                spec = spec_jax.generate_batch(target, chunk, a.max_new_tokens, draft=draft, tree=tree,
-                                               datastore=ds if uses_datastore(tree) else None,
-                                               seed=a.seed + i // a.batch, **sampling)
-                plain = None if a.tau_only else spec_jax.generate_batch(target, chunk, a.max_new_tokens)
-                s = stats[(name, set_name)]
-                for i_, s_ in enumerate(spec):
-                    s["prompts"] += 1
-                    if plain is not None:
-                        s["mismatches"] += int(plain[i_].token_ids != s_.token_ids)
-                    s["tokens"] += len(s_.token_ids) - 1
-                    s["steps"] += sum(s_.stats["acceptance_histogram"])
+                answers = [[] for _ in chunk]
+                for t in range(max(len(c) for c in chunk)):
+                    rows = [j for j, c in enumerate(chunk) if t < len(c)]
+                    asked = [conversation(chunk[j], answers[j]) if t else chunk[j][0] for j in rows]
+                    spec = spec_jax.generate_batch(
+                        target, asked, a.max_new_tokens, draft=draft, tree=tree,
+                        datastore=ds if uses_datastore(tree) else None,
+                        seed=a.seed + i // a.batch, **sampling)
+                    plain = None if a.tau_only else spec_jax.generate_batch(target, asked,
+                                                                              a.max_new_tokens)
+                    groups = [stats[(name, set_name)]]
+                    if a.turns == "all" and any(len(c) > 1 for c in ps):
+                        groups.append(stats[(name, f"{set_name} turn {t + 1}")])
+                    for r, (j, s_) in enumerate(zip(rows, spec)):
+                        for s in groups:
+                            s["prompts"] += 1  # counts turns: a two-turn prompt is two prompts
+                            if plain is not None:
+                                s["mismatches"] += int(plain[r].token_ids != s_.token_ids)
+                            s["tokens"] += len(s_.token_ids) - 1
+                            s["steps"] += sum(s_.stats["acceptance_histogram"])
+                        answers[j].append((plain[r] if plain is not None else s_).text)
             print(f"[{time.time() - t0:6.0f}s] {set_name} {name}: {stats[(name, set_name)]}", flush=True)
-    print("\n| drafter | set | prompts | differ from plain | tau |\n|---|---|---|---|---|")
+    print("\n| drafter | set | prompts (turns) | differ from plain | tau |\n|---|---|---|---|---|")
     if a.tau_only:
         print("(--tau-only: plain decoding not run, so 'differ from plain' is not checked)")
     for (name, set_name), s in stats.items():

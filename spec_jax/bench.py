@@ -40,11 +40,13 @@ class Run:
     hist: tuple[int, ...] = ()  # acceptance histogram: steps that accepted 0, 1, 2, ... drafts
     same_as_plain: bool | None = None  # greedy: token for token equal to plain decoding's output
     plain_steps: int = 0  # steps of one token, where the drafter fell back (heads.fallback)
+    turn: int = 1  # which turn of a multi-turn prompt (spec_jax.data.conversation)
 
 
 def summarize(runs: list[Run], verify_time: Callable[[int], float] | None = None,
               baseline: str = "plain") -> list[dict[str, Any]]:
-    """Aggregate runs per (method, prompt set) and per (method, category).
+    """Aggregate runs per (method, prompt set), per (method, category) and, where prompts had
+    several turns, per (method, "turn N").
 
     tau = sum(new_tokens - 1) / sum(steps) (the prefill's token is not a speculative step);
     tokens/s = sum(new_tokens) / sum(wall); speedup = tokens/s over the baseline's on the same
@@ -55,6 +57,9 @@ def summarize(runs: list[Run], verify_time: Callable[[int], float] | None = None
         groups.setdefault((r.method, r.prompt_set, "all"), []).append(r)
         if r.category and r.category != r.prompt_set:
             groups.setdefault((r.method, r.prompt_set, r.category), []).append(r)
+    if any(r.turn > 1 for r in runs):
+        for r in runs:
+            groups.setdefault((r.method, r.prompt_set, f"turn {r.turn}"), []).append(r)
     rows = []
     for (method, pset, cat), rs in groups.items():
         tok = sum(r.new_tokens for r in rs)
@@ -101,55 +106,69 @@ def run_bench(target, drafts: dict[str, tuple[Any, Any]], prompt_sets: dict[str,
               max_new_tokens: int, progress=True, datastore=None, temperature: float = 0.0,
               top_p: float = 1.0, seed: int = 0,
               on_run: Callable[[Run], None] | None = None,
-              peers: dict[str, Callable] | None = None) -> list[Run]:
+              peers: dict[str, Callable] | None = None, turns: str = "all") -> list[Run]:
     """drafts: name -> (draft, tree) or (draft, tree, fallback) (`generate`'s fallback, else its
-    default); prompt_sets: name -> [Prompt]. Interleaved by prompt.
+    default); prompt_sets: name -> [Prompt]. Interleaved by prompt, and within a prompt by turn.
     `datastore` serves the drafts whose tree has +ds:N. Greedy, or sampled at (temperature,
     top_p) with seed `seed + i` for the i-th prompt, the same for every method. Greedy runs
     record whether each output equals plain decoding's ("plain" must come first in `drafts`).
     `on_run` sees each run as it finishes (the CLI appends it to runs.jsonl: a run cut short by a
     time limit keeps what it measured). `peers` (`transformers_peers`) run after the drafts on
-    each prompt, in the same interleaving."""
+    each prompt, in the same interleaving. turns="all" plays a multi-turn prompt (MT-bench) as
+    its conversation, as the EAGLE and Medusa evaluations do: turn N is asked after the first
+    method's (plain decoding's) answers to the turns before it, so every method gets the same
+    prompt; "first" asks its first turn alone."""
     import spec_jax
     from tqdm import tqdm
 
+    from spec_jax.data import conversation
     from spec_jax.generate import resolve_drafter
 
+    if turns not in ("all", "first"):
+        raise SpecJaxError(f"turns must be 'all' or 'first', not {turns!r}")
     for draft, tree, *_ in drafts.values():  # a tree that cannot be drafted fails now, not later
         resolve_drafter(target, draft, tree, datastore=datastore if uses_datastore(tree) else None,
                         temperature=temperature, top_p=top_p)
     runs = []
     items = [(s, p) for s, ps in prompt_sets.items() for p in ps]
     for i, (pset, p) in enumerate(tqdm(items, disable=not progress, desc="bench")):
-        plain_ids = None
-        for name, (draft, tree, *fb) in drafts.items():
-            kw = {"draft": draft, "tree": tree,
-                  "datastore": datastore if uses_datastore(tree) else None,
-                  "temperature": temperature, "top_p": top_p, "seed": seed + i,
-                  **({"fallback": fb[0]} if fb else {})}
-            r = spec_jax.generate(target, p.text, max_new_tokens, **kw)
-            if r.stats["compile_seconds"] > 0:  # first use of this shape: run again, compiled
-                c = r.stats["compile_seconds"]
-                r = spec_jax.generate(target, p.text, max_new_tokens, **kw)
-                r.stats["compile_seconds"] = c
-            s = r.stats
-            same = None
-            if temperature == 0 and draft is None and tree is None:
-                plain_ids = r.token_ids
-            elif temperature == 0 and plain_ids is not None:
-                same = r.token_ids == plain_ids
-            runs.append(Run(method=name, prompt_set=pset, category=p.category,
-                            new_tokens=s["new_tokens"], steps=sum(s["acceptance_histogram"]),
-                            wall=s["wall_seconds"], compile_s=s["compile_seconds"],
-                            tree_tokens=s["tree_tokens"],
-                            hist=tuple(s["acceptance_histogram"]), same_as_plain=same,
-                            plain_steps=s.get("plain_steps", 0)))
-            if on_run is not None:
-                on_run(runs[-1])
-        for run in (peers or {}).values():
-            runs.append(run(pset, p, max_new_tokens, temperature, top_p, seed + i))
-            if on_run is not None:
-                on_run(runs[-1])
+        asked = p.turns if turns == "all" and getattr(p, "turns", ()) else (p.text,)
+        answers: list[str] = []
+        for t in range(len(asked)):
+            prompt = conversation(asked, answers) if t else p.text
+            plain_ids = answer = None
+            for name, (draft, tree, *fb) in drafts.items():
+                kw = {"draft": draft, "tree": tree,
+                      "datastore": datastore if uses_datastore(tree) else None,
+                      "temperature": temperature, "top_p": top_p, "seed": seed + i,
+                      **({"fallback": fb[0]} if fb else {})}
+                r = spec_jax.generate(target, prompt, max_new_tokens, **kw)
+                if r.stats["compile_seconds"] > 0:  # first use of this shape: run again, compiled
+                    c = r.stats["compile_seconds"]
+                    r = spec_jax.generate(target, prompt, max_new_tokens, **kw)
+                    r.stats["compile_seconds"] = c
+                s = r.stats
+                same = None
+                if temperature == 0 and draft is None and tree is None:
+                    plain_ids = r.token_ids
+                elif temperature == 0 and plain_ids is not None:
+                    same = r.token_ids == plain_ids
+                answer = r.text if answer is None else answer
+                runs.append(Run(method=name, prompt_set=pset, category=p.category,
+                                new_tokens=s["new_tokens"], steps=sum(s["acceptance_histogram"]),
+                                wall=s["wall_seconds"], compile_s=s["compile_seconds"],
+                                tree_tokens=s["tree_tokens"],
+                                hist=tuple(s["acceptance_histogram"]), same_as_plain=same,
+                                plain_steps=s.get("plain_steps", 0), turn=t + 1))
+                if on_run is not None:
+                    on_run(runs[-1])
+            for run in (peers or {}).values():
+                runs.append(dataclasses.replace(
+                    run(pset, p._replace(text=prompt), max_new_tokens, temperature, top_p, seed + i),
+                    turn=t + 1))
+                if on_run is not None:
+                    on_run(runs[-1])
+            answers.append(answer or "")
     return runs
 
 
@@ -364,7 +383,7 @@ def bench_cli(a):
         except Exception as e:  # a missing peer is reported, never fatal
             print(f"(transformers peers skipped: {e})")
     runs = run_bench(target, drafts, sets, a.max_new_tokens, datastore=ds, seed=a.seed,
-                     on_run=record, peers=peers, **sampling)
+                     on_run=record, peers=peers, turns=getattr(a, "turns", "all"), **sampling)
     sizes = sorted({r.tree_tokens for r in runs})
     vt = verify_latency(target, sizes)
     rows = summarize(runs, verify_time=lambda t: vt.get(t, 0.0))
@@ -373,7 +392,8 @@ def bench_cli(a):
           f"{a.max_new_tokens} new tokens, "
           + (f"sampled at temperature {a.temperature:g}, top_p {a.top_p:g}" if a.temperature > 0
              else "greedy")
-          + ", batch 1\n")
+          + ", batch 1" + (", every turn of multi-turn prompts" if getattr(a, "turns", "all") == "all"
+                           and any(r.turn > 1 for r in runs) else "") + "\n")
     print(table)
     profiles = {}
     if a.profile:

@@ -264,6 +264,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--prompts", nargs="+", default=["../shared/data/eval/mt_bench/question.jsonl"])
     b.add_argument("--limit", type=int, default=10,
                    help="prompts per file, taken in turn from its categories")
+    b.add_argument("--turns", choices=("all", "first"), default="all",
+                   help="multi-turn prompts (MT-bench): every turn, each asked after the target's "
+                        "answers to the turns before it, as EAGLE and Medusa evaluate (the "
+                        "default); or the first turn alone")
     b.add_argument("--max-new-tokens", type=int, default=256)
     b.add_argument("--out", default="bench_out")
     b.add_argument("--datastore", default=None,

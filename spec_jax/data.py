@@ -1,5 +1,10 @@
 """Prompt sets: read the formats of ../shared/data (jsonl with a prompt-like field, JSON lists,
-MT-bench/Vicuna-bench `turns`, HumanEval .jsonl.gz) into (id, category, prompt) records."""
+MT-bench/Vicuna-bench `turns`, HumanEval .jsonl.gz) into (id, category, prompt) records.
+
+A multi-turn record (MT-bench's two turns) keeps every turn: `text` is its first, `turns` all of
+them. The bench and `scripts/eval_spec.py` play such a record as a conversation, each later turn
+asked after the target's own answer to the one before, as the EAGLE and Medusa evaluations do.
+"""
 from __future__ import annotations
 
 import gzip
@@ -16,7 +21,8 @@ class Prompt(NamedTuple):
     source: str
     id: str
     category: str
-    text: str
+    text: str  # the prompt, or a multi-turn record's first turn
+    turns: tuple[str, ...] = ()  # a multi-turn record's turns, in order (empty: one turn)
 
 
 def _text_of(rec) -> str | None:
@@ -72,10 +78,24 @@ def read_prompts(path: str | Path) -> list[Prompt]:
             continue
         rid = str(rec.get("question_id", rec.get("task_id", rec.get("id", i)))) if isinstance(rec, dict) else str(i)
         cat = rec.get("category", "") if isinstance(rec, dict) else ""
-        out.append(Prompt(source=path.parent.name, id=rid, category=cat or path.parent.name, text=text))
+        turns = rec.get("turns") if isinstance(rec, dict) else None
+        turns = tuple(turns) if isinstance(turns, list) and len(turns) > 1 else ()
+        out.append(Prompt(source=path.parent.name, id=rid, category=cat or path.parent.name,
+                          text=text, turns=turns))
     if not out:
         raise SpecJaxError(f"{path} has no records with a prompt field ({', '.join(PROMPT_FIELDS)})")
     return out
+
+
+def conversation(turns, answers) -> list[dict]:
+    """Chat messages for the next turn: user turns[i] each followed by assistant answers[i], then
+    the user's turns[len(answers)] (what `Target.encode` and `generate` take as a prompt)."""
+    msgs = []
+    for i, text in enumerate(turns[:len(answers) + 1]):
+        msgs.append({"role": "user", "content": text})
+        if i < len(answers):
+            msgs.append({"role": "assistant", "content": answers[i].strip()})
+    return msgs
 
 
 def spread(prompts: list[Prompt], n: int | None) -> list[Prompt]:

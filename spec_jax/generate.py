@@ -158,12 +158,15 @@ def _resolve(target, draft, tree, batch, attn_impl, datastore, temperature, top_
             {**(dparams or {}), "datastore": datastore.tables()}, sized)
 
 
-def generate(target: Target, prompt: str | Sequence[int], max_new_tokens: int = 128, *,
+def generate(target: Target, prompt: str | Sequence[int] | Sequence[dict],
+             max_new_tokens: int = 128, *,
              temperature: float = 0.0, top_p: float = 1.0, seed: int = 0, chat: bool = True,
              draft=None, tree=None, attn_impl: str = "auto", stop_at_eos: bool = True,
              accept_rule: str = "exact", precision: str | None = None,
              datastore=None, fallback: bool | float | tuple = True) -> GenerationResult:
-    """Generate up to max_new_tokens after `prompt` (a string, or a list of token ids).
+    """Generate up to max_new_tokens after `prompt`: a string, a list of token ids, or a
+    conversation (chat messages [{"role": "user", "content": ...}, {"role": "assistant", ...},
+    ...], ending with the user's turn).
 
     draft: None (plain decoding), "ngram", or heads from `init_draft`/`load_draft`.
     tree: for heads, None (the tree sized for this device if one was, else the method's default),

@@ -34,8 +34,12 @@ class Target:
             ids.add(int(tok.eos_token_id))
         return tuple(sorted(ids))
 
-    def encode(self, prompt: str | Sequence[int], chat: bool = True) -> list[int]:
-        """Token ids of a prompt: a string (chat template applied when chat=True) or ids as given."""
+    def encode(self, prompt, chat: bool = True) -> list[int]:
+        """Token ids of a prompt: a string (chat template applied when chat=True), a conversation
+        (a list of {"role", "content"} messages, which always takes the chat template), or ids as
+        given."""
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
+            return self._encode_chat(list(prompt))
         if not isinstance(prompt, str):
             ids = [int(t) for t in prompt]
             if not ids:
@@ -46,14 +50,25 @@ class Target:
         if self.tokenizer is None:
             raise SpecJaxError("this target has no tokenizer: pass token ids instead of a string")
         if chat and getattr(self.tokenizer, "chat_template", None):
-            out = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                                     add_generation_prompt=True, tokenize=True)
-            ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
-            return [int(t) for t in ids]
+            return self._encode_chat([{"role": "user", "content": prompt}])
         ids = self.tokenizer(prompt)["input_ids"]
         if not ids:
             raise SpecJaxError("the prompt encodes to no tokens: pass a non-empty prompt")
         return ids
+
+    def _encode_chat(self, messages: list[dict]) -> list[int]:
+        """Chat-template ids of `messages`, ready for the assistant's next answer."""
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise SpecJaxError("a conversation needs the target's tokenizer with a chat template: "
+                               "pass a string or token ids instead")
+        bad = [m for m in messages if not isinstance(m, dict) or m.get("role") not in
+               ("system", "user", "assistant") or not isinstance(m.get("content"), str)]
+        if bad:
+            raise SpecJaxError(f"bad chat message {bad[0]!r}: write {{'role': 'user' | 'assistant' "
+                               "| 'system', 'content': TEXT}")
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        ids = out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out
+        return [int(t) for t in ids]
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:

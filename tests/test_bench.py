@@ -555,3 +555,50 @@ def test_the_sizing_keeps_the_fallback_where_its_run_measured_that_it_pays(
     d = resolve_drafter(tiny_target, heads, None)[0]
     assert isinstance(d, FallbackDrafter) and d.plain_below == pytest.approx(2.0)
     assert d.prior == pytest.approx(2.0 * (1 + PROBE_MARGIN))
+
+
+def test_a_multi_turn_prompt_is_played_as_its_conversation(tiny_target, monkeypatch):
+    """MT-bench's second turn is asked after plain decoding's answer to the first, the same
+    conversation for every method (as EAGLE and Medusa evaluate); each turn is a run of its own,
+    summarized per turn too; turns="first" asks the first turn alone."""
+    import types
+
+    import spec_jax
+    from spec_jax.bench import run_bench
+    from spec_jax.data import Prompt
+
+    asked = []
+
+    def fake(target, prompt, max_new_tokens, **kw):
+        asked.append((kw["draft"], prompt))
+        text = f"answer {len(asked)}"
+        return types.SimpleNamespace(token_ids=[1, 2, 3], text=text, stats={
+            "compile_seconds": 0.0, "new_tokens": 3, "acceptance_histogram": [1, 1] if kw["draft"]
+            else [2], "wall_seconds": 0.1, "tree_tokens": 4 if kw["draft"] else 1})
+
+    monkeypatch.setattr(spec_jax, "generate", fake)
+    p = Prompt(source="mt", id="81", category="writing", text="Write.", turns=("Write.", "Again."))
+    drafts = {"plain": (None, None), "ngram": ("ngram", None)}
+    runs = run_bench(tiny_target, drafts, {"mt": [p]}, 4, progress=False)
+    second = [{"role": "user", "content": "Write."}, {"role": "assistant", "content": "answer 1"},
+              {"role": "user", "content": "Again."}]
+    assert asked == [(None, "Write."), ("ngram", "Write."), (None, second), ("ngram", second)]
+    assert [(r.method, r.turn, r.same_as_plain) for r in runs] == [
+        ("plain", 1, None), ("ngram", 1, True), ("plain", 2, None), ("ngram", 2, True)]
+    rows = {(r["method"], r["category"]): r for r in summarize(runs)}
+    assert rows[("ngram", "all")]["tau"] == pytest.approx((6 - 2) / 4)
+    assert rows[("ngram", "turn 2")]["prompts"] == 1 and ("plain", "turn 1") in rows
+    asked.clear()
+    runs = run_bench(tiny_target, drafts, {"mt": [p]}, 4, progress=False, turns="first")
+    assert asked == [(None, "Write."), ("ngram", "Write.")] and {r.turn for r in runs} == {1}
+
+
+def test_mt_bench_records_keep_both_turns():
+    from spec_jax.data import conversation, read_prompts
+    from tests.conftest import SHARED
+
+    mt = read_prompts(SHARED / "data/eval/mt_bench/question.jsonl")
+    assert len(mt) == 80 and all(len(p.turns) == 2 and p.text == p.turns[0] for p in mt)
+    assert conversation(("a", "b", "c"), [" x "]) == [
+        {"role": "user", "content": "a"}, {"role": "assistant", "content": "x"},
+        {"role": "user", "content": "b"}]

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import spec_jax
+from spec_jax.errors import SpecJaxError
 from tests.conftest import ROOT, SHARED, SMOLLM2
 
 pytestmark = pytest.mark.smollm2
@@ -110,3 +111,17 @@ def test_packed_cpu_layout_matches_and_stays_lossless(smollm2):
                              stop_at_eos=False)
     assert spec.token_ids == plain.token_ids
     assert spec.stats["mean_accepted"] > 1.2
+
+
+def test_a_conversation_takes_the_chat_template(smollm2, tiny_target):
+    """generate's prompt may be chat messages (MT-bench's second turn after the first answer)."""
+    msgs = [{"role": "user", "content": "Hi."}, {"role": "assistant", "content": "Hello!"},
+            {"role": "user", "content": "Bye."}]
+    ref = smollm2.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ref = ref["input_ids"] if hasattr(ref, "keys") else ref
+    assert smollm2.encode(msgs) == list(ref)
+    assert smollm2.encode(msgs[:1]) == smollm2.encode("Hi.")
+    with pytest.raises(SpecJaxError, match="bad chat message"):
+        smollm2.encode([{"role": "bot", "content": "x"}])
+    with pytest.raises(SpecJaxError, match="chat template"):
+        tiny_target.encode(msgs)
