@@ -16,9 +16,9 @@ Sequoia's idea with measured costs, in three measurements:
    per-step latency (propose + bookkeeping) at each depth, on this backend and batch size.
 3. Choice. Predicted tokens/s of the best tree of each size = tau / (verify + draft) per step.
    The best prediction and plain decoding (and, where predicted to beat plain, the dynamic tree
-   of the same top-k, depth and size; and a prediction within 3% of
-   the best with a higher tau, see `contenders`) are then run end to end on the calibration
-   prompts, and the fastest wins: speculation is chosen only where it measurably
+   of the same top-k, depth and size; and, among the predictions within 3% of the best, the one
+   with the highest tau and the smallest tree, see `contenders`) are then run end to end on the
+   calibration prompts, and the fastest wins: speculation is chosen only where it measurably
    pays (a datastore graft must win by more than the host's noise, see `pick_winner`). The best
    speculative candidate also runs with the plain-step fallback (`spec_jax.heads.fallback`) at
    its measured break-even, and keeps it where that run measured as fast (`choose`): a tree
@@ -846,8 +846,8 @@ def size_ngram(target, prompts=None, batch: int = 1, max_new_tokens: int = CALIB
 
     Plain decoding writes the calibration continuations; replaying the n-gram drafter along them
     gives each chain length's tau (`chain_profile`), and tau / verify(length + 1) predicts its
-    speed. The best prediction (and a near-tie with a higher tau, `contenders`) then runs end to
-    end beside plain decoding, twice, and `pick_winner` decides. Why it is needed: a 6-token chain
+    speed. The best prediction (and its near-ties of higher tau or smaller size, `contenders`)
+    runs end to end beside plain decoding, twice, and `pick_winner` decides. Why it is needed: a 6-token chain
     ran 1.49x plain where the target streamed float32 weights and 0.95x where it streamed 1-byte
     codes (verify at 7 tokens 1.1x one token there, 2x here). Returns (tree, report)."""
     from spec_jax.tree import StaticTree
@@ -890,17 +890,24 @@ DS_MARGIN = 0.03  # the least relative lead that counts as a win, not noise (see
 
 
 def contenders(curve: list[dict]) -> list[dict]:
-    """The curve entries worth running end to end: the fastest prediction and, if another is
-    predicted within DS_MARGIN of it with a higher tau, the highest-tau one of those. Predictions
-    rest on a short profile and a noisy cost curve (verify at 4 tree tokens costs about what 8
-    do here), so a 1% predicted lead must not keep the deeper tree from being measured: in one
+    """The curve entries worth running end to end: the fastest prediction and, among those
+    predicted within DS_MARGIN of it, the highest-tau one and the smallest tree. Predictions rest
+    on a short profile and a noisy cost curve (verify at 4 tree tokens costs about what 8 do
+    here), so a 1% predicted lead must not keep another size from being measured: in one
     calibration a 4-token tree led an 8-token one by 1% and was chosen untested against it, where
-    the 8-token tree had measured 1.61x plain on MT-bench."""
+    the 8-token tree had measured 1.61x plain on MT-bench; in another (run 53b) a 12-token switch
+    led the 8-token one by 0.7% and measured 17% under its prediction, with the 8-token switch
+    never run."""
     best = max(curve, key=lambda c: c["predicted_tokens_per_second"])
     near = [c for c in curve
             if c["predicted_tokens_per_second"] * (1 + DS_MARGIN) >= best["predicted_tokens_per_second"]]
     deep = max(near, key=lambda c: (c["tau"], c["predicted_tokens_per_second"]))
-    return [best] if deep is best else [best, deep]
+    small = min(near, key=lambda c: (c["size"], -c["predicted_tokens_per_second"]))
+    out = [best]
+    for c in (deep, small):
+        if all(c is not o for o in out):
+            out.append(c)
+    return out
 
 
 def pick_winner(measured: list[dict]) -> dict:

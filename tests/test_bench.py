@@ -259,14 +259,19 @@ def test_calibration_on_a_users_set_never_takes_a_measured_prompt():
         calibration_prompts(ps, ps)
 
 
-def test_a_predicted_near_tie_of_higher_tau_is_measured_too():
+def test_a_predicted_near_tie_of_higher_tau_or_smaller_size_is_measured_too():
     from spec_jax.sizing import contenders
 
     c = lambda size, tau, pred: {"size": size, "tau": tau, "predicted_tokens_per_second": pred}  # noqa: E731
     small, deep, deeper = c(4, 1.74, 65.6), c(8, 2.11, 65.0), c(16, 2.35, 57.9)
     assert contenders([deeper, small, deep]) == [small, deep]  # 1% apart: both run; 12%: not
     assert contenders([small, deeper]) == [small]
-    assert contenders([deep, c(4, 1.5, 64.0)]) == [deep]  # the fastest already has the higher tau
+    assert contenders([deep, c(4, 1.5, 62.0)]) == [deep]  # the fastest has the higher tau
+    # a smaller tree predicted within the margin runs too (run 53b: switch 12 led 8 by 0.7%)
+    cheap = c(4, 1.5, 64.0)
+    assert contenders([deep, cheap, deeper]) == [deep, cheap]
+    assert contenders([c(12, 2.84, 131.5), c(8, 2.65, 130.6), c(16, 2.9, 120.0)]) == [
+        c(12, 2.84, 131.5), c(8, 2.65, 130.6)]
 
 
 def test_switch_policy_and_tau_on_a_hand_counted_profile(monkeypatch):
