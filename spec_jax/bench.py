@@ -383,7 +383,7 @@ def bench_cli(a):
         except Exception as e:  # a missing peer is reported, never fatal
             print(f"(transformers peers skipped: {e})")
     runs = run_bench(target, drafts, sets, a.max_new_tokens, datastore=ds, seed=a.seed,
-                     on_run=record, peers=peers, turns=getattr(a, "turns", "all"), **sampling)
+                     on_run=record, peers=peers, turns=a.turns, **sampling)
     sizes = sorted({r.tree_tokens for r in runs})
     vt = verify_latency(target, sizes)
     rows = summarize(runs, verify_time=lambda t: vt.get(t, 0.0))
@@ -392,8 +392,8 @@ def bench_cli(a):
           f"{a.max_new_tokens} new tokens, "
           + (f"sampled at temperature {a.temperature:g}, top_p {a.top_p:g}" if a.temperature > 0
              else "greedy")
-          + ", batch 1" + (", every turn of multi-turn prompts" if getattr(a, "turns", "all") == "all"
-                           and any(r.turn > 1 for r in runs) else "") + "\n")
+          + ", batch 1" + (", every turn of multi-turn prompts" if any(r.turn > 1 for r in runs)
+                           else "") + "\n")
     print(table)
     profiles = {}
     if a.profile:
