@@ -87,11 +87,13 @@ def _resolve(target, draft, tree, batch, attn_impl, datastore, temperature, top_
     """`resolve_drafter` without the fallback: (drafter, dparams, the (break-even, prior) of the
     fallback the sizing chose with it where the drafter is exactly a cached sizing's choice, else
     None)."""
-    from spec_jax.heads.graft import split_datastore, split_graft, with_datastore, with_graft
+    from spec_jax.heads.graft import (ranked, split_datastore, split_graft, split_ranked,
+                                      with_datastore, with_graft)
     from spec_jax.heads.ngram import NgramDrafter
     from spec_jax.heads.registry import DraftHeads
 
     given = tree = tree_object(tree)
+    tree, rank = split_ranked(tree)
     tree, ds_n = split_datastore(tree)
     given_ds = ds_n
     if ds_n and datastore is None:
@@ -148,14 +150,16 @@ def _resolve(target, draft, tree, batch, attn_impl, datastore, temperature, top_
     else:
         raise SpecJaxError(f"unknown draft {draft!r}: pass 'ngram', heads from spec_jax.init_draft / "
                            "spec_jax.load_draft, or None for plain decoding")
-    if datastore is None:
-        return drafter, dparams, sized
-    if ds_n is None:
-        ds_n = min(8, datastore.depth)
-    if not ds_n:
-        return drafter, dparams, sized
-    return (with_datastore(drafter, datastore.chain(ds_n)),
-            {**(dparams or {}), "datastore": datastore.tables()}, sized)
+    if datastore is not None:
+        if ds_n is None:
+            ds_n = min(8, datastore.depth)
+        if ds_n:
+            drafter = with_datastore(drafter, datastore.chain(ds_n))
+            dparams = {**(dparams or {}), "datastore": datastore.tables()}
+    if rank:
+        drafter, priors = ranked(drafter, datastore)
+        dparams = {**dparams, "datastore": {**dparams.get("datastore", {}), **priors}}
+    return drafter, dparams, sized
 
 
 def generate(target: Target, prompt: str | Sequence[int] | Sequence[dict],

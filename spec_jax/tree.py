@@ -162,19 +162,34 @@ def check_dynamic(top_k: int, depth: int, total_tokens: int) -> None:
                            "to top_k + (depth - 1) * top_k**2 + 1")
 
 
-def best_nodes_tree(root, tok, score, parent, depth, n_pick: int, max_depth: int, k: int) -> Tree:
-    """A pool of candidate nodes -> the tree of the root and the pool's `n_pick` best-scored nodes
-    (EAGLE-2's final selection).
+class Pool(NamedTuple):
+    """Candidate nodes of a dynamic tree, each parent before its children: tok, score (cumulative
+    log-probability of being accepted), parent (pool index, -1 for a child of the root), depth;
+    all [B, P]."""
 
-    root [B]; tok, score (cumulative log-probability), parent (pool index, -1 for a child of the
-    root), depth: [B, P], every parent before its children. A child never scores above its parent,
-    so the best nodes include their ancestors; ties go to the shallower node. k bounds the
-    children kept per node."""
-    b, pool = tok.shape
+    tok: jax.Array
+    score: jax.Array
+    parent: jax.Array
+    depth: jax.Array
+
+    @classmethod
+    def concat(cls, tok, score, parent, depth) -> "Pool":
+        """A pool from lists of per-depth [B, n] pieces."""
+        return cls(*(jnp.concatenate(x, 1) for x in (tok, score, parent, depth)))
+
+
+def best_nodes_tree(root, pool: Pool, n_pick: int, max_depth: int, k: int) -> Tree:
+    """A pool of candidate nodes -> the tree of the root and the pool's `n_pick` best-scored nodes
+    (EAGLE-2's final selection). root [B].
+
+    A child never scores above its parent, so the best nodes include their ancestors; ties go to
+    the shallower node. k bounds the children kept per node."""
+    tok, score, parent, depth = pool
+    b, size = tok.shape
     rows = jnp.arange(b)[:, None]
     _, picked = jax.lax.top_k(score - 1e-4 * depth.astype(jnp.float32), n_pick)
     picked = jnp.sort(picked, axis=1)  # pool order: parents precede children
-    inv = jnp.full((b, pool), -1, jnp.int32)
+    inv = jnp.full((b, size), -1, jnp.int32)
     inv = inv.at[rows, picked].set(jnp.arange(1, n_pick + 1, dtype=jnp.int32))
     par_pool = parent[rows, picked]
     par = jnp.where(par_pool < 0, 0, inv[rows, jnp.maximum(par_pool, 0)])
@@ -183,6 +198,38 @@ def best_nodes_tree(root, tok, score, parent, depth, n_pick: int, max_depth: int
     dep = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), depth[rows, picked]], 1)
     return Tree(tokens=tokens, parent=par, depth=dep, mask=ancestor_mask(par, max_depth),
                 children=children_table(par, k))
+
+
+def merge_chain(pool: Pool, chain, valid, logp) -> Pool:
+    """Add a chain of tokens below the root (chain [B, N], valid [B, N] a prefix per row) to
+    `pool` as candidates scored by logp [B, N] (the chain's own estimate, non-increasing along it).
+
+    The chain follows the pool's nodes while its tokens match a child of the node it reached; such
+    a node keeps the better of its two scores. Where the chain leaves the pool its tokens become
+    new nodes (appended, so parents still precede children); invalid ones score -inf and are
+    never picked. Returns a pool of P + N nodes."""
+    b, p = pool.tok.shape
+    rows = jnp.arange(b)
+    score = pool.score
+    cur = jnp.full((b,), -1, jnp.int32)
+    on_pool = jnp.ones((b,), bool)
+    parents, scores = [], []
+    for i in range(chain.shape[1]):
+        same = on_pool[:, None] & (pool.parent == cur[:, None]) & (pool.tok == chain[:, i:i + 1])
+        hit = valid[:, i] & jnp.any(same, axis=1)
+        at = jnp.argmax(same, axis=1)
+        s_i = jnp.where(valid[:, i], logp[:, i], -jnp.inf)
+        score = score.at[rows, at].max(jnp.where(hit, s_i, -jnp.inf))
+        parents.append(cur)
+        scores.append(jnp.where(hit, -jnp.inf, s_i))
+        cur = jnp.where(hit, at, p + i).astype(jnp.int32)
+        on_pool = hit
+    n = chain.shape[1]
+    return Pool(tok=jnp.concatenate([pool.tok, chain.astype(pool.tok.dtype)], 1),
+                score=jnp.concatenate([score, jnp.stack(scores, 1).astype(score.dtype)], 1),
+                parent=jnp.concatenate([pool.parent, jnp.stack(parents, 1)], 1).astype(jnp.int32),
+                depth=jnp.concatenate([pool.depth, jnp.broadcast_to(
+                    jnp.arange(1, n + 1, dtype=jnp.int32), (b, n))], 1))
 
 
 def static_tree_batch(tree: StaticTree, tokens, batch: int) -> Tree:

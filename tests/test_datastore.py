@@ -20,7 +20,7 @@ def chains(ds: Datastore, contexts, depth=None):
     hist = np.zeros((len(contexts), s), np.int32)
     for i, c in enumerate(contexts):
         hist[i, :len(c)] = c
-    tok, valid = lookup(ds.tables(), jnp.asarray(hist), jnp.asarray([len(c) for c in contexts]),
+    tok, valid, _ = lookup(ds.tables(), jnp.asarray(hist), jnp.asarray([len(c) for c in contexts]),
                         ds.min_ngram, ds.max_ngram, depth)
     return [t[v].tolist() for t, v in zip(np.asarray(tok), np.asarray(valid))]
 
@@ -214,3 +214,49 @@ def test_shipped_distilled_sets_agree_with_the_shipped_datastore():
     seqs, plens, _ = load_distill(root / "smollm2-135m-instruct-distill" / "balanced-0-3072")
     docs = np.load(root / "smollm2-135m-instruct-datastore" / "tokens.npz")["tokens"]
     np.testing.assert_array_equal(docs, np.concatenate([np.r_[s[p:], -1] for s, p in zip(seqs, plens)]))
+
+
+def test_chain_priors_count_how_often_each_chain_is_right():
+    """Documents say one of five phrases, three other tokens, and the phrase again. The n-gram
+    chain at the second phrase continues the first (right but for its end); the datastore, built
+    from the other documents, continues a phrase from its first two tokens."""
+    from spec_jax.heads.datastore import chain_priors
+
+    rng = np.random.RandomState(0)
+    phrases = [rng.permutation(np.arange(10, 60))[:4] for _ in range(5)]
+    docs = []
+    for i in range(40):
+        phrase = phrases[i % 5]
+        docs.append(np.r_[phrase, rng.permutation(np.arange(60, 90))[:3], phrase, -1])
+    ng, ds = chain_priors(np.concatenate(docs).astype(np.int32), ngram_depth=4, ngram_max=4,
+                          ds_depth=3, min_ngram=2, max_ngram=4)
+    assert ng.shape == (5, 4) and ds.shape == (5, 3)
+    assert np.all(np.diff(ng, axis=1) <= 0) and np.all(np.diff(ds, axis=1) <= 0)
+    # at the second phrase's first token (a 1-token match), 3 tokens right, then the document ends
+    np.testing.assert_allclose(np.exp(ng[1]), [40.1 / 41] * 3 + [0.1 / 41], rtol=1e-5)
+    assert np.exp(ng[2, 1]) > 0.95  # at its second token (a 2-token match), 2 right
+    assert np.exp(ds[2, 0]) > 0.8 and np.exp(ds[2, 1]) > 0.8
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_ranked_grafts_keep_greedy_output_in_the_trees_own_tokens(tiny_target, own_output,
+                                                                  datastore, method):
+    from spec_jax.generate import resolve_drafter
+
+    draft = spec_jax.init_draft(tiny_target, method, seed=7, scale=0.3)
+    tree = "dynamic:3,3,8+ngram:6+ds:4+ranked"
+    drafter = resolve_drafter(tiny_target, draft, tree, 1, datastore=datastore)[0]
+    assert drafter.ranked and drafter.tree_size == 8 and drafter.max_depth == 6
+    prompts, _ = own_output
+    for prompt in prompts[:2]:
+        plain = spec_jax.generate(tiny_target, prompt, 30, stop_at_eos=False)
+        spec = spec_jax.generate(tiny_target, prompt, 30, draft=draft, tree=tree,
+                                 datastore=datastore, stop_at_eos=False)
+        assert spec.token_ids == plain.token_ids, (method, prompt)
+        assert spec.stats["mean_accepted"] > 2.0, spec.stats  # the corpus' chains are taken
+    for bad, msg in (("[[0], [1], [0, 0]]+ngram:3+ds:2+ranked", "dynamic tree"),
+                     ("dynamic:3,3,8+ranked+ngram:2", "goes last")):
+        with pytest.raises(SpecJaxError, match=msg):
+            spec_jax.generate(tiny_target, [1, 2, 3], 4, draft=draft, tree=bad, datastore=datastore)
+    with pytest.raises(SpecJaxError, match="datastore of the target"):
+        spec_jax.generate(tiny_target, [1, 2, 3], 4, draft=draft, tree="dynamic:3,3,8+ranked")

@@ -161,3 +161,31 @@ def test_greedy_walk_accepts_what_a_node_by_node_walk_does():
         np.testing.assert_array_equal(np.asarray(got.path[r]), path + [-1] * (max_depth + 1 - len(path)))
         assert int(got.n_accepted[r]) == len(path) and int(got.bonus[r]) == best[r, cur]
     assert deep >= 4  # the test reaches deep paths
+
+
+def test_a_ranked_chain_merges_into_the_pool_and_competes_for_its_tokens():
+    """merge_chain follows the pool's nodes, raises a followed node to the chain's score, appends
+    the rest; best_nodes_tree then keeps the likeliest nodes, whichever drafter made them."""
+    import jax.numpy as jnp
+
+    from spec_jax.tree import Pool, best_nodes_tree, merge_chain
+
+    lg = np.log
+    # pool: 5 (0.6) and 6 (0.3) under the root; 7 under 5 (0.6*0.5), 8 under 6 (0.3*0.2)
+    pool = Pool(tok=jnp.asarray([[5, 6, 7, 8]]), score=jnp.asarray([lg([0.6, 0.3, 0.3, 0.06])]),
+                parent=jnp.asarray([[-1, -1, 0, 1]]), depth=jnp.asarray([[1, 1, 2, 2]]))
+    chain = jnp.asarray([[6, 8, 9, 4]])
+    valid = jnp.asarray([[True, True, True, False]])
+    merged = merge_chain(pool, chain, valid, jnp.asarray([lg([0.9, 0.8, 0.7, 0.6])]))
+    # 6 and 8 are the pool's nodes 1 and 3, now scored by the chain (their own slots 4 and 5 are
+    # never picked); 9 is new under 8; 4 is invalid
+    np.testing.assert_allclose(np.exp(merged.score[0, [0, 1, 2, 3, 6]]), [0.6, 0.9, 0.3, 0.8, 0.7],
+                               rtol=1e-6)
+    assert np.all(np.isneginf(merged.score[0, [4, 5, 7]]))
+    np.testing.assert_array_equal(merged.parent[0, 6:], [3, 6])
+    np.testing.assert_array_equal(merged.depth[0, 6:], [3, 4])
+    # the four best: 6 (0.9), 8 (0.8), 9 (0.7), 5 (0.6); the head's 7 (0.3) is left out
+    t = best_nodes_tree(jnp.asarray([1]), merged, 4, max_depth=4, k=3)
+    np.testing.assert_array_equal(t.tokens[0], [1, 5, 6, 8, 9])
+    np.testing.assert_array_equal(t.parent[0], [-1, 0, 0, 2, 3])
+    np.testing.assert_array_equal(t.depth[0], [0, 1, 1, 2, 3])

@@ -53,6 +53,7 @@ class Datastore:
     depth: int = 8
     min_count: int = 1
     _tables: dict | None = dataclasses.field(default=None, repr=False)
+    _priors: tuple | None = dataclasses.field(default=None, repr=False)
 
     def check_target(self, target) -> None:
         from spec_jax.heads.registry import target_identity
@@ -80,6 +81,19 @@ class Datastore:
             self._tables = {"ds_h1": jnp.asarray(h1), "ds_h2": jnp.asarray(h2),
                             "ds_cont": jnp.asarray(cont)}
         return self._tables
+
+    def priors(self, ngram_depth: int, ds_depth: int, ngram_max: int) -> dict:
+        """How often each grafted chain's tokens are right, measured on this corpus (the target's
+        own output): {"ngram_prior": [ngram_max + 1, ngram_depth], "ds_prior": [max_ngram + 1,
+        ds_depth]} float32 log-probabilities that a chain's first i + 1 tokens are all the
+        target's next tokens, given the length of the context suffix the chain continues. Device
+        arrays, built on first use and kept (a few seconds). See `chain_priors`."""
+        key = (ngram_depth, ds_depth, ngram_max)
+        if self._priors is None or self._priors[0] != key:
+            ng, ds = chain_priors(self.tokens, ngram_depth, ngram_max, ds_depth, self.min_ngram,
+                                  self.max_ngram, self.min_count)
+            self._priors = (key, {"ngram_prior": jnp.asarray(ng), "ds_prior": jnp.asarray(ds)})
+        return self._priors[1]
 
     def chain(self, depth: int) -> DatastoreChain:
         if not 1 <= depth <= self.depth:
@@ -125,6 +139,91 @@ def build_tables(tokens, min_ngram: int, max_ngram: int, depth: int, min_count: 
     return h1[uniq], h2[uniq], cont[uniq].astype(np.int32)
 
 
+def _log_rate(hits, count):
+    """Smoothed log(hits / count) per row, kept non-increasing along each row (float32)."""
+    rate = (np.minimum.accumulate(hits, axis=1) + 0.1) / (count[:, None] + 1.0)
+    return np.log(rate).astype(np.float32)
+
+
+def chain_priors(tokens, ngram_depth: int, ngram_max: int, ds_depth: int, min_ngram: int,
+                 max_ngram: int, min_count: int = 1, holdout: int = 10):
+    """Replay both grafted chains over a corpus of the target's own output (documents split by -1;
+    greedy verification accepts exactly its next tokens) and count, per length of the matched
+    suffix, how often a chain's first i + 1 tokens are all right. Returns log-rates
+    ([ngram_max + 1, ngram_depth], [max_ngram + 1, ds_depth]), row = suffix length.
+
+    The n-gram chain looks back in its own document, as it does in the context. The datastore
+    chain is looked up in tables built without every `holdout`-th document, and replayed on those,
+    so that no document finds itself."""
+    toks = np.asarray(tokens, np.int64)
+    cut = np.nonzero(toks < 0)[0]
+    docs = [d[d >= 0] for d in np.split(toks, cut)]
+    docs = [d for d in docs if len(d) > 1]
+    ng_hits, ng_count = np.zeros((ngram_max + 1, ngram_depth)), np.zeros(ngram_max + 1)
+    for d in docs:
+        _replay_ngram(d.tolist(), ngram_depth, ngram_max, ng_hits, ng_count)
+    held = [d for i, d in enumerate(docs) if i % holdout == 0]
+    rest = [d for i, d in enumerate(docs) if i % holdout != 0]
+    ds_hits, ds_count = np.zeros((max_ngram + 1, ds_depth)), np.zeros(max_ngram + 1)
+    if held and rest:
+        join = lambda ds: np.concatenate([np.r_[d, -1] for d in ds])
+        tables = build_tables(join(rest), min_ngram, max_ngram, ds_depth, min_count)
+        _replay_datastore(join(held), tables, min_ngram, max_ngram, ds_depth, ds_hits, ds_count)
+    return _log_rate(ng_hits, ng_count), _log_rate(ds_hits, ds_count)
+
+
+def _replay_ngram(doc: list, depth: int, max_n: int, hits, count) -> None:
+    """NgramDrafter.search on every prefix of `doc` (the latest earlier occurrence of the longest
+    suffix), with its chain scored against what follows; adds into hits/count."""
+    last = [dict() for _ in range(max_n + 1)]  # n -> {n-gram: end of its latest occurrence}
+    size = len(doc)
+    for t in range(size - 1):
+        n_best, end = 0, -1
+        for n in range(1, min(max_n, t + 1) + 1):
+            e = last[n].get(tuple(doc[t + 1 - n:t + 1]))
+            if e is None:
+                break
+            n_best, end = n, e
+        for n in range(1, min(max_n, t + 1) + 1):
+            last[n][tuple(doc[t + 1 - n:t + 1])] = t
+        if end < 0:
+            continue
+        count[n_best] += 1
+        for i in range(depth):
+            src = end + 1 + i
+            if src > t or t + 1 + i >= size or doc[src] != doc[t + 1 + i]:
+                break
+            hits[n_best, i] += 1
+
+
+def _replay_datastore(toks, tables, min_n: int, max_n: int, depth: int, hits, count) -> None:
+    """`lookup` (host side) at every position of toks (documents split by -1), scored against what
+    follows each position; adds into hits/count."""
+    h1s, h2s, cont = tables
+    size = len(toks)
+    best = np.full(size, -1, np.int64)
+    length = np.zeros(size, np.int64)
+    for n in range(min_n, max_n + 1):
+        end = np.arange(n - 1, size)
+        cols = [toks[end - n + 1 + k] for k in range(n)]
+        ok = np.all([c >= 0 for c in cols], axis=0)
+        cols = [(np.maximum(c, 0) + 1).astype(np.uint32) for c in cols]
+        q1, q2 = ngram_hash(cols, n, 0), ngram_hash(cols, n, 1)
+        i = np.minimum(np.searchsorted(h1s, q1), len(h1s) - 1)
+        hit = ok & (h1s[i] == q1) & (h2s[i] == q2)
+        best[end[hit]] = i[hit]
+        length[end[hit]] = n
+    at = np.nonzero((best >= 0) & (toks >= 0))[0]
+    at = at[at + 1 < size]
+    at = at[toks[at + 1] >= 0]  # a next token exists in this document
+    np.add.at(count, length[at], 1)
+    run = np.ones(len(at), bool)
+    for i in range(depth):
+        nxt = toks[np.minimum(at + 1 + i, size - 1)]
+        run &= (at + 1 + i < size) & (nxt >= 0) & (cont[best[at], i] == nxt)
+        np.add.at(hits[:, i], length[at], run)
+
+
 def _majority_walk(toks, first, group, n_groups: int, depth: int) -> np.ndarray:
     """[n_groups, depth]: per group of occurrences (continuations starting at `first`), the token
     most of them have at each depth, among those that agreed with the choices so far."""
@@ -154,12 +253,13 @@ def lookup(tables: dict, hist, hlen, min_ngram: int, max_ngram: int, depth: int)
 
     hist [B, S] tokens so far (the root last), hlen [B]. Returns (tokens [B, depth],
     valid [B, depth]; valid is a prefix per row, all False when no n-gram of the context is in the
-    datastore)."""
+    datastore; the length [B] of the context's suffix it continues, 0 for none)."""
     b, s = hist.shape
     rows = jnp.arange(b)[:, None]
     h1s, h2s, cont = tables["ds_h1"], tables["ds_h2"], tables["ds_cont"]
     g = h1s.shape[0]
     best = jnp.full((b,), -1, jnp.int32)
+    length = jnp.zeros((b,), jnp.int32)
     for n in range(min_ngram, max_ngram + 1):  # longer n overrides shorter
         pos = jnp.clip(hlen[:, None] - n + jnp.arange(n)[None, :], 0, s - 1)
         grams = hist[rows, pos].astype(jnp.uint32) + 1  # [B, n]
@@ -168,9 +268,10 @@ def lookup(tables: dict, hist, hlen, min_ngram: int, max_ngram: int, depth: int)
         i = jnp.minimum(jnp.searchsorted(h1s, q1), g - 1).astype(jnp.int32)
         hit = (h1s[i] == q1) & (h2s[i] == q2) & (hlen >= n)
         best = jnp.where(hit, i, best)
+        length = jnp.where(hit, n, length)
     tok = cont[jnp.maximum(best, 0), :depth]
     valid = (best[:, None] >= 0) & (jnp.cumprod(tok >= 0, axis=1) > 0)
-    return jnp.where(valid, tok, 0).astype(jnp.int32), valid
+    return jnp.where(valid, tok, 0).astype(jnp.int32), valid, length
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +284,10 @@ class DatastoreChain:
 
     def continuation(self, tables: dict, state):
         """(tokens [B, depth], valid [B, depth]) from an NgramState's history."""
+        return self.match(tables, state)[:2]
+
+    def match(self, tables: dict, state):
+        """(tokens [B, depth], valid [B, depth], length [B] of the suffix it continues)."""
         return lookup(tables, state.hist, state.hlen, self.min_ngram, self.max_ngram, self.depth)
 
 

@@ -28,7 +28,7 @@ from spec_jax.cache import KVCache, commit, init_cache
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext, accepted_chunk
 from spec_jax.heads.vocab import shared_head_logits, topk_logp
 from spec_jax.models.llama import causal_mask
-from spec_jax.tree import StaticTree, Tree, best_nodes_tree, static_tree_batch
+from spec_jax.tree import Pool, StaticTree, Tree, best_nodes_tree, static_tree_batch
 
 
 @flax.struct.dataclass
@@ -181,6 +181,12 @@ class FeatureDrafter(Drafter):
     def propose(self, dparams, tparams, tcfg, state: FeatureState, root, key):
         if self.static_tree is not None:
             return self._propose_static(dparams, tparams, tcfg, state, root), state
+        pool = self.propose_pool(dparams, tparams, tcfg, state, root)
+        return best_nodes_tree(root, pool, self.total_tokens - 1, self.depth, self.top_k), state
+
+    def propose_pool(self, dparams, tparams, tcfg, state: FeatureState, root) -> Pool:
+        """The dynamic tree's candidates before its final selection (spec_jax.heads.graft ranks
+        grafted chains among them)."""
         b = root.shape[0]
         k, depth = self.top_k, self.depth
         n_buf = max(depth - 1, 1) * k
@@ -223,10 +229,7 @@ class FeatureDrafter(Drafter):
                 self_bit = jax.nn.one_hot(slot0 + par, n_buf, dtype=bool)
                 f_anc = f_anc[rows, par] | self_bit
             base += k * k
-        tree = best_nodes_tree(root, jnp.concatenate(pool_tok, 1), jnp.concatenate(pool_score, 1),
-                               jnp.concatenate(pool_parent, 1), jnp.concatenate(pool_depth, 1),
-                               self.total_tokens - 1, depth, k)
-        return tree, state
+        return Pool.concat(pool_tok, pool_score, pool_parent, pool_depth)
 
     def _propose_static(self, dparams, tparams, tcfg, state: FeatureState, root) -> Tree:
         """Expand the static tree depth by depth: one draft call per depth over the nodes of the

@@ -10,6 +10,15 @@ when the context has no match) are dead nodes: scored, never reachable, so never
 Written `TREE+ngram:N` wherever a tree is given (e.g. `dynamic:8,5,32+ngram:4`, `auto+ngram:4`).
 A datastore chain (spec_jax.heads.datastore: what the target wrote after the same n tokens in a
 corpus of its own output) is grafted the same way: `TREE+ds:N`, or both, `TREE+ngram:8+ds:8`.
+
+Ranked grafts (`dynamic:8,5,32+ngram:24+ds:8+ranked`): instead of adding N tokens to the tree, the
+chains' tokens compete with the dynamic tree's candidates for its TOTAL tokens, by EAGLE-2's own
+rule: the likeliest to be accepted win. A head candidate's estimate is its cumulative draft
+probability; a chain token's is how often the chain was right that far, given how long a suffix of
+the context it continues, measured by replaying both chains over the datastore's corpus
+(`Datastore.priors`). A long match (a list, code, an answer being rewritten) gets a long chain; a
+one-token match gets none and the head's tree keeps the tokens. Needs a dynamic tree and a
+datastore; the tree still has TOTAL tokens.
 """
 from __future__ import annotations
 
@@ -22,10 +31,11 @@ from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
 from spec_jax.heads.datastore import DatastoreChain
 from spec_jax.heads.ngram import NgramDrafter
-from spec_jax.tree import Tree, ancestor_mask, children_table
+from spec_jax.tree import Tree, ancestor_mask, best_nodes_tree, children_table, merge_chain
 
 SUFFIX = "+ngram"
 _DS = re.compile(r"\+ds(?::(\w*))?")
+RANKED = "+ranked"
 
 
 def split_graft(tree):
@@ -58,6 +68,33 @@ def split_datastore(tree):
         raise SpecJaxError(f"cannot read {tree!r}: write TREE+ds:N once, with N >= 1 datastore "
                            "tokens, e.g. dynamic:8,5,24+ngram:8+ds:8")
     return (_DS.sub("", tree) or None), int(n)
+
+
+def split_ranked(tree):
+    """'TREE+ranked' -> (TREE, True); any other tree -> (tree, False)."""
+    if isinstance(tree, str) and tree.endswith(RANKED):
+        return tree[:-len(RANKED)], True
+    if isinstance(tree, str) and RANKED in tree:
+        raise SpecJaxError(f"cannot read {tree!r}: +ranked goes last, after the grafts, e.g. "
+                           "dynamic:8,5,32+ngram:24+ds:8+ranked")
+    return tree, False
+
+
+def ranked(drafter: Drafter, datastore) -> tuple[Drafter, dict]:
+    """`drafter` (a dynamic tree with grafts) with its grafts ranked among the tree's candidates,
+    and the chains' priors measured on `datastore` (draft params to merge under "datastore")."""
+    fix = "write a dynamic tree with its grafts, e.g. dynamic:8,5,32+ngram:24+ds:8+ranked"
+    if datastore is None:
+        raise SpecJaxError("+ranked measures its chains on a datastore of the target's output: pass "
+                           "datastore=spec_jax.load_datastore(DIR) (CLI: --datastore DIR)")
+    if not isinstance(drafter, GraftDrafter) or not hasattr(drafter.main, "propose_pool"):
+        raise SpecJaxError(f"+ranked ranks grafted chains among a dynamic tree's candidates: {fix}")
+    if getattr(drafter.main, "static_tree", None) is not None or \
+            getattr(drafter.main, "dynamic", True) is None:
+        raise SpecJaxError(f"+ranked needs a dynamic tree, not a static one: {fix}")
+    ds_depth = drafter.ds.depth if drafter.ds is not None else 1
+    return (dataclasses.replace(drafter, ranked=True),
+            datastore.priors(max(drafter.ngram.depth, 1), ds_depth, NgramDrafter.max_ngram))
 
 
 def uses_datastore(tree) -> bool:
@@ -94,6 +131,7 @@ class GraftDrafter(Drafter):
     main: Drafter = Drafter()
     ngram: NgramDrafter = NgramDrafter(depth=4)
     ds: DatastoreChain | None = None
+    ranked: bool = False  # the chains compete for main's tree tokens (see the module docstring)
     method: str = ""
 
     def __post_init__(self):
@@ -109,6 +147,8 @@ class GraftDrafter(Drafter):
 
     @property
     def tree_size(self):
+        if self.ranked:
+            return self.main.tree_size
         return self.main.tree_size + self.ngram.depth + self._ds_depth
 
     @property
@@ -136,6 +176,8 @@ class GraftDrafter(Drafter):
                 self.ngram.after_verify((), tparams, tcfg, state[1], ctx))
 
     def propose(self, dparams, tparams, tcfg, state, root, key):
+        if self.ranked:
+            return self._propose_ranked(dparams, tparams, tcfg, state, root), state
         tree, main_state = self.main.propose(dparams, tparams, tcfg, state[0], root, key)
         chains = [self.ngram.continuation(state[1])] if self.ngram.depth else []  # [B, N] each
         if self.ds is not None:
@@ -143,6 +185,17 @@ class GraftDrafter(Drafter):
         for chain, valid in chains:
             tree = graft(tree, chain, valid, self.max_depth, self.max_children)
         return tree, (main_state, state[1])
+
+    def _propose_ranked(self, dparams, tparams, tcfg, state, root) -> Tree:
+        pool = self.main.propose_pool(dparams, tparams, tcfg, state[0], root)
+        priors = dparams["datastore"]
+        if self.ngram.depth:
+            tok, valid, n = self.ngram.match(state[1])
+            pool = merge_chain(pool, tok, valid, priors["ngram_prior"][n])
+        if self.ds is not None:
+            tok, valid, n = self.ds.match(priors, state[1])
+            pool = merge_chain(pool, tok, valid, priors["ds_prior"][n])
+        return best_nodes_tree(root, pool, self.tree_size - 1, self.max_depth, self.max_children)
 
 
 def graft(tree: Tree, chain, valid, max_depth: int, max_children: int) -> Tree:

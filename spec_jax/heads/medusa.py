@@ -24,7 +24,7 @@ from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
 from spec_jax.heads.vocab import shared_head_weight, to_target_ids, topk_logp
 from spec_jax.models.llama import rms_norm
-from spec_jax.tree import (MEDUSA_DEFAULT, StaticTree, best_nodes_tree, check_dynamic,
+from spec_jax.tree import (MEDUSA_DEFAULT, Pool, StaticTree, best_nodes_tree, check_dynamic,
                            static_tree_batch)
 
 
@@ -105,7 +105,9 @@ class MedusaDrafter(Drafter):
 
     def propose(self, dparams, tparams, tcfg, state, root, key):
         if self.dynamic is not None:
-            return self._propose_dynamic(dparams, tparams, tcfg, state, root), state
+            k, depth, total = self.dynamic
+            pool = self.propose_pool(dparams, tparams, tcfg, state, root)
+            return best_nodes_tree(root, pool, total - 1, depth, k), state
         parent, depth, rank, _, _, _ = self.tree.arrays()
         b = root.shape[0]
         logits = medusa_logits(dparams, tparams, tcfg, state.hidden)  # [B, K, V]
@@ -116,8 +118,9 @@ class MedusaDrafter(Drafter):
         tokens = jnp.concatenate([root[:, None], tok.astype(jnp.int32)], axis=1)
         return static_tree_batch(self.tree, tokens, b), state
 
-    def _propose_dynamic(self, dparams, tparams, tcfg, state, root):
-        k, depth, total = self.dynamic
+    def propose_pool(self, dparams, tparams, tcfg, state, root) -> Pool:
+        """The dynamic tree's candidates before its final selection."""
+        k, depth, _ = self.dynamic
         b = root.shape[0]
         logits = medusa_logits(dparams, tparams, tcfg, state.hidden)[:, :depth]  # [B, D, V]
         logp, tok = topk_logp(logits, dparams, k)  # [B, D, k]
@@ -134,7 +137,5 @@ class MedusaDrafter(Drafter):
             f_score, top_i = jax.lax.top_k(score, k)
             f_idx = base + top_i
             base += k * k
-        depths = jnp.concatenate([jnp.full((b, k if d == 0 else k * k), d + 1, jnp.int32)
-                                  for d in range(depth)], 1)
-        return best_nodes_tree(root, jnp.concatenate(pool_tok, 1), jnp.concatenate(pool_score, 1),
-                               jnp.concatenate(pool_parent, 1), depths, total - 1, depth, k)
+        depths = [jnp.full((b, k if d == 0 else k * k), d + 1, jnp.int32) for d in range(depth)]
+        return Pool.concat(pool_tok, pool_score, pool_parent, depths)
