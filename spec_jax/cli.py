@@ -167,7 +167,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (size the tree for this machine: measured once, then cached) | "
                         "mc_sim_7b_63 | medusa | chain:N | dynamic:K,D,N | JSON list of paths, "
                         "each optionally +ngram:N (graft an N-token n-gram chain onto it) and "
-                        "+ds:N (graft N tokens from --datastore); "
+                        "+ds:N (graft N tokens from --datastore); a dynamic tree's grafts "
+                        "+ranked compete for its N tokens (dynamic:8,5,32+ngram:24+ds:8+ranked); "
                         "omitted: the sized tree if there is one, else the method's default")
     g.add_argument("--datastore", default=None,
                    help="a folder written by `spec-jax datastore`: draft from the target's own "

@@ -177,7 +177,9 @@ def generate(target: Target, prompt: str | Sequence[int] | Sequence[dict],
     "auto" (size it now if it was not: a one-off measurement, see `spec_jax.sizing`; with
     temperature > 0, for that temperature and top_p),
     "dynamic:TOP_K,DEPTH,TOTAL", "mc_sim_7b_63", "medusa", "chain:N", or a list of paths;
-    "TREE+ngram:N" grafts the n-gram chain of the context on, "TREE+ds:N" the datastore's; a
+    "TREE+ngram:N" grafts the n-gram chain of the context on, "TREE+ds:N" the datastore's, and
+    "dynamic:K,D,T+ngram:N+ds:M+ranked" ranks both chains' tokens among the dynamic tree's
+    candidates, so the tree keeps T tokens (spec_jax.heads.graft); a
     switch ({"switch": [...], "policy": [...]}, spec_jax.heads.switch) picks per row and step
     between head trees and n-gram chains of the same size.
     datastore: a corpus of the target's own output to draft from (`load_datastore`), grafted on
