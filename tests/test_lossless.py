@@ -78,6 +78,7 @@ def chi2_pvalue(counts, probs):
 
 CASES = [("plain", None), ("ngram", None), ("eagle", "dynamic:3,3,8"),
          ("eagle", "dynamic:2,2,4+ngram:3"), ("eagle", "dynamic:2,2,4+ngram:2+ds:3"),
+         ("eagle", "dynamic:2,3,6+ngram:4+ds:3+ranked"),
          ("eagle", "[[0],[1],[0,0],[0,1],[1,0],[0,0,0]]"), ("eagle3", "dynamic:2,3,6"),
          ("medusa", "[[0],[1],[2],[0,0],[1,0],[0,0,0]]"), ("medusa", "dynamic:3,3,7"), ("mtp", None),
          ("eagle", {"switch": [{"base": [[0], [1], [0, 0]], "ngram": 0},
