@@ -1,9 +1,13 @@
-"""Pick the attention implementation; the choice is static (a Python string)."""
+"""Pick the attention implementation (the choice is static: a Python string) and run it.
+
+`tree_attention_pallas` joins a Pallas cache kernel (`tpu`: Mosaic, also the interpret path;
+`gpu`: Triton) with the dense attention over the step's own block (`reference`).
+"""
 from __future__ import annotations
 
 import jax
 
-from pallas_kernels import reference
+from pallas_kernels.reference import block_attention, merge, tree_attention_xla
 
 IMPLS = ("auto", "xla", "cpu", "pallas", "pallas_interpret")
 
@@ -22,9 +26,9 @@ def default_impl() -> str:
     """What "auto" runs here, as sizing caches it: "cpu" only when the kernel is built."""
     impl = resolve_impl("auto")
     if impl == "cpu":
-        from pallas_kernels import cpu_build
+        from pallas_kernels.cpu import build
 
-        return "cpu" if cpu_build.available() else "xla"
+        return "cpu" if build.available() else "xla"
     return impl
 
 
@@ -33,19 +37,39 @@ def tree_attention(q, k_cache, v_cache, slot_valid, length, k_new, v_new, tree_m
     """Attention of T block queries over the committed cache and the block itself. [B, T, H, D]."""
     impl = resolve_impl(impl)
     if impl == "cpu":
-        from pallas_kernels import cpu_attention
+        from pallas_kernels.cpu import attention
 
-        if cpu_attention.supported(q, k_cache, k_new):
+        if attention.supported(q, k_cache, k_new):
             scale = q.shape[-1] ** -0.5 if scale is None else scale
-            return cpu_attention.tree_attention_cpu(q, k_cache, v_cache, slot_valid, length, k_new,
-                                                    v_new, tree_mask, scale).astype(q.dtype)
+            return attention.tree_attention_cpu(q, k_cache, v_cache, slot_valid, length, k_new,
+                                                v_new, tree_mask, scale).astype(q.dtype)
         impl = "xla"
     if impl == "xla":
-        return reference.tree_attention_xla(q, k_cache, v_cache, slot_valid, length, k_new, v_new,
-                                            tree_mask, scale=scale)
-    from pallas_kernels import kernels  # imported lazily: Pallas is only needed when asked for
+        return tree_attention_xla(q, k_cache, v_cache, slot_valid, length, k_new, v_new, tree_mask,
+                                  scale=scale)
+    return tree_attention_pallas(q, k_cache, v_cache, slot_valid, length, k_new, v_new, tree_mask,
+                                 scale=scale, interpret=(impl == "pallas_interpret"),
+                                 block_size=block_size)
 
-    return kernels.tree_attention_pallas(q, k_cache, v_cache, slot_valid, length, k_new, v_new,
-                                         tree_mask, scale=scale,
-                                         interpret=(impl == "pallas_interpret"),
-                                         block_size=block_size)
+
+def tree_attention_pallas(q, k_cache, v_cache, slot_valid, length, k_new, v_new, tree_mask, *,
+                          scale=None, interpret=False, block_size=None, platform=None):
+    """Cache part by a Pallas kernel, block part dense, merged exactly. Returns [B, T, H, D].
+
+    platform: "tpu" (Mosaic) or "gpu" (Triton); default: the current backend, and the Mosaic
+    kernel's semantics under the interpreter on CPU."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    platform = platform or jax.default_backend()
+    # imported lazily: Pallas is only needed when asked for
+    if platform in ("gpu", "cuda"):
+        from pallas_kernels.gpu import cache_attention_triton
+
+        o1, lse1 = cache_attention_triton(q, k_cache, v_cache, slot_valid, length, scale,
+                                          block=block_size or 64, interpret=interpret)
+    else:
+        from pallas_kernels.tpu import cache_attention_tpu
+
+        o1, lse1 = cache_attention_tpu(q, k_cache, v_cache, slot_valid, length, scale,
+                                       block=block_size or 256, interpret=interpret)
+    o2, lse2 = block_attention(q, k_new, v_new, tree_mask, scale)
+    return merge(o1, lse1, o2, lse2).astype(q.dtype)

@@ -98,3 +98,25 @@ def tree_attention_reference(q, k_cache, v_cache, slot_valid, length, k_new, v_n
     p = jax.nn.softmax(s, axis=-1)
     o = jnp.einsum("btkgs,bskd->btkgd", p, v)
     return o.reshape(b, t, h, d).astype(q.dtype)
+
+
+# The query layout of the Pallas kernels (`tpu`, `gpu`): each KV head's query group as one slab.
+def group_queries(q, kvh, rows_to):
+    """q [B, T, H, D] -> [B, KVH, R, D] with rows (t, g) and R padded to a multiple of rows_to."""
+    b, t, h, d = q.shape
+    g = h // kvh
+    qg = q.reshape(b, t, kvh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kvh, t * g, d)
+    r = t * g
+    r_pad = rows_to(r)
+    if r_pad != r:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, r_pad - r), (0, 0)))
+    return qg, r
+
+
+def ungroup(o, lse, b, t, h, d, kvh):
+    """group_queries' inverse for a kernel's results: o [B, KVH, R, D], lse [B, KVH, R] ->
+    [B, T, H, D], [B, T, H] (padding rows dropped)."""
+    g = h // kvh
+    o = o[:, :, : t * g].reshape(b, kvh, t, g, d).transpose(0, 2, 1, 3, 4).reshape(b, t, h, d)
+    lse = lse[:, :, : t * g].reshape(b, kvh, t, g).transpose(0, 2, 1, 3).reshape(b, t, h)
+    return o, lse

@@ -12,12 +12,11 @@ there the script times the XLA reference and checks the interpreted kernel on th
 import argparse
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import spec_jax  # noqa: F401
-import jax
-import jax.numpy as jnp
-
 from pallas_kernels import tree_attention
 
 PEAK_GBS = {"H200": 4800.0, "H100": 3350.0, "A100": 2039.0, "TPU v5 lite": 819.0, "TPU v4": 1200.0,

@@ -5,7 +5,7 @@ tokens, compile excluded), transformers' greedy `generate` tokens/s, their ratio
 weights-read bound (bytes of weights read per token / read bandwidth measured in the same run),
 from two read bandwidths: all cores (XLA's multi-threaded sum) and one core (numpy's sum).
 Decoding is a chain of dependent matrix-vector products; XLA:CPU's own dot runs each on one core,
-spec_jax's packed CPU kernel (the default layout on CPU, `pallas_kernels/cpu_gemm.cc`) on all
+spec_jax's packed CPU kernel (the default layout on CPU, `pallas_kernels/cpu/gemm.cc`) on all
 cores, so the all-core bound is the one to approach; both are printed. A benchmark, not a test:
 it asserts nothing.
 
@@ -14,11 +14,11 @@ it asserts nothing.
 import argparse
 import time
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import spec_jax  # noqa: F401  (XLA CPU defaults)
-import jax
-import jax.numpy as jnp
 
 PROMPT = "Write a long story about a lighthouse keeper and a storm."
 
@@ -86,7 +86,8 @@ def main():
     bound, bound1 = read_bw * 1e9 / param_bytes, read_bw1 * 1e9 / param_bytes
     best_ours, best_theirs = max(ours), max(theirs)
     print(f"machine: {jax.device_count()} {jax.default_backend()} device(s), jax {jax.__version__}")
-    print(f"weights read per token: {param_bytes / 1e6:.1f} MB (layout: {target.layout}{", uint8 codes" if target.weight_codes else ""})")
+    codes = ", uint8 codes" if target.weight_codes else ""
+    print(f"weights read per token: {param_bytes / 1e6:.1f} MB (layout: {target.layout}{codes})")
     print(f"spec_jax plain greedy:      {best_ours:6.1f} tok/s   (runs: {', '.join(f'{x:.1f}' for x in ours)})")
     print(f"transformers greedy:        {best_theirs:6.1f} tok/s   (runs: {', '.join(f'{x:.1f}' for x in theirs)})")
     print(f"ratio spec_jax/transformers: {best_ours / best_theirs:5.2f}x")

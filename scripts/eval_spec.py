@@ -23,7 +23,7 @@ from collections import defaultdict
 
 import spec_jax
 from spec_jax.data import conversation, read_prompts, spread
-from spec_jax.heads.graft import uses_datastore
+from spec_jax.tree_spec import uses_datastore
 
 SETS = {"mt_bench": "../shared/data/eval/mt_bench/question.jsonl",
         "vicuna_bench": "../shared/data/eval/vicuna_bench/question.jsonl",

@@ -27,12 +27,11 @@ import time
 import traceback
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 
 import spec_jax
-import jax
-import jax.numpy as jnp
-
 from pallas_kernels import tree_attention
 from pallas_kernels.reference import tree_attention_reference
 from spec_jax.config import ModelConfig

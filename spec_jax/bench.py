@@ -21,10 +21,18 @@ from typing import Any, Callable
 import numpy as np
 
 from spec_jax.errors import SpecJaxError
-from spec_jax.heads.graft import split_datastore, uses_datastore
-from spec_jax.heads.switch import as_switch
-from spec_jax.sizing import (PLAIN, choice_name, choice_of, measured_name, size_ngram, size_tree,
-                             tree_name, tree_tokens, verify_latency)
+from spec_jax.sizing import (
+    PLAIN,
+    choice_name,
+    choice_of,
+    measured_name,
+    size_ngram,
+    size_tree,
+    tree_name,
+    tree_tokens,
+    verify_latency,
+)
+from spec_jax.tree_spec import Auto, Switch, parse, uses_datastore
 
 
 @dataclasses.dataclass
@@ -39,7 +47,7 @@ class Run:
     tree_tokens: int
     hist: tuple[int, ...] = ()  # acceptance histogram: steps that accepted 0, 1, 2, ... drafts
     same_as_plain: bool | None = None  # greedy: token for token equal to plain decoding's output
-    plain_steps: int = 0  # steps of one token, where the drafter fell back (heads.fallback)
+    plain_steps: int = 0  # steps of one token, where the drafter fell back (spec_jax.fallback)
     turn: int = 1  # which turn of a multi-turn prompt (spec_jax.data.conversation)
 
 
@@ -51,7 +59,7 @@ def summarize(runs: list[Run], verify_time: Callable[[int], float] | None = None
     tau = sum(new_tokens - 1) / sum(steps) (the prefill's token is not a speculative step);
     tokens/s = sum(new_tokens) / sum(wall); speedup = tokens/s over the baseline's on the same
     group; verify share = (tree steps * verify_time(tree_tokens) + plain steps * verify_time(1))
-    / wall; plain-step share = plain steps / steps (`spec_jax.heads.fallback`)."""
+    / wall; plain-step share = plain steps / steps (`spec_jax.fallback`)."""
     groups: dict[tuple, list[Run]] = {}
     for r in runs:
         groups.setdefault((r.method, r.prompt_set, "all"), []).append(r)
@@ -118,9 +126,9 @@ def run_bench(target, drafts: dict[str, tuple[Any, Any]], prompt_sets: dict[str,
     its conversation, as the EAGLE and Medusa evaluations do: turn N is asked after the first
     method's (plain decoding's) answers to the turns before it, so every method gets the same
     prompt; "first" asks its first turn alone."""
-    import spec_jax
     from tqdm import tqdm
 
+    import spec_jax
     from spec_jax.data import conversation
     from spec_jax.generate import resolve_drafter
 
@@ -349,18 +357,19 @@ def bench_cli(a):
                 drafts[spec] = ("ngram", tree or None)
             continue
         heads = spec_jax.load_draft(name)
-        switch = as_switch(tree)
+        spec = parse(tree or None)
+        switch = spec.base.as_dict() if isinstance(spec.base, Switch) else None
         label = f"{heads.method}" + (f"@{tree_name(switch) if switch else tree}" if tree else "")
         fresh = bool(a.calibrate or a.calibrate_on) and name not in sized
-        base, ds_n = split_datastore(tree or None)
-        if base == "auto" or fresh:
+        auto, ds_n = isinstance(spec.base, Auto), spec.ds
+        if auto or fresh:
             chosen, report = size_tree(target, heads, calib, use_cache=not fresh, datastore=ds,
                                        **sampling)
             sized.add(name)
             (out / f"sizing_{heads.method}.json").write_text(json.dumps(report, indent=1))
             _plot_curve(report, out / f"sizing_{heads.method}.png")
             print(f"{name}: {_curve_table(report)}")
-            if base == "auto":  # with +ds:N, generate grafts it onto the tree just sized
+            if auto:  # with +ds:N, generate grafts it onto the tree just sized
                 label = f"{heads.method}@auto({tree_name(chosen)})" + (f"+ds:{ds_n}" if ds_n else "")
                 if not ds_n:
                     tree = chosen if chosen != PLAIN else "plain"

@@ -1,5 +1,7 @@
 """Prompt sets: read the formats of ../shared/data (jsonl with a prompt-like field, JSON lists,
-MT-bench/Vicuna-bench `turns`, HumanEval .jsonl.gz) into (id, category, prompt) records.
+MT-bench/Vicuna-bench `turns`, HumanEval .jsonl.gz) into (id, category, prompt) records; and
+distilled sets (the target's own answers, written by spec_jax.train.distill) read back as token
+sequences for training and datastores.
 
 A multi-turn record (MT-bench's two turns) keeps every turn: `text` is its first, `turns` all of
 them. The bench and `scripts/eval_spec.py` play such a record as a conversation, each later turn
@@ -11,6 +13,8 @@ import gzip
 import json
 from pathlib import Path
 from typing import Iterator, NamedTuple
+
+import numpy as np
 
 from spec_jax.errors import SpecJaxError
 
@@ -117,3 +121,33 @@ def spread(prompts: list[Prompt], n: int | None) -> list[Prompt]:
 def iter_batches(items, size) -> Iterator[list]:
     for i in range(0, len(items), size):
         yield items[i:i + size]
+
+
+def load_distill(path) -> tuple[list[np.ndarray], list[int], dict]:
+    path = Path(path)
+    if not (path / "manifest.json").is_file():
+        raise SpecJaxError(f"{path} has no manifest.json: create data with `spec-jax distill`")
+    manifest = json.loads((path / "manifest.json").read_text())
+    z = np.load(path / "tokens.npz")
+    n = manifest["samples"]
+    return [z[f"s{i}"] for i in range(n)], [int(x) for x in z["prompt_len"][:n]], manifest
+
+
+def check_source(path, manifest: dict, target) -> None:
+    """Refuse a set distilled from another target."""
+    if manifest.get("target_fingerprint") not in (None, target.fingerprint()):
+        raise SpecJaxError(f"{path} was distilled from another target: distill data for this one")
+
+
+def load_sets(paths, target=None) -> tuple[list[np.ndarray], list[int], list[dict]]:
+    """Several distilled sets concatenated in the given order (training holds out the end of the
+    last one); with `target`, each must have been distilled from it."""
+    seqs, plens, manifests = [], [], []
+    for path in ([paths] if isinstance(paths, (str, Path)) else paths):
+        s, p, m = load_distill(path)
+        if target is not None:
+            check_source(path, m, target)
+        seqs += s
+        plens += p
+        manifests.append(m)
+    return seqs, plens, manifests

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from spec_jax.cache import KVCache, commit
 from spec_jax.config import ModelConfig
 from spec_jax.errors import SpecJaxError
+from spec_jax.fallback import Fallback
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
-from spec_jax.heads.fallback import FallbackDrafter
 from spec_jax.models.llama import causal_mask, forward, lm_head
 from spec_jax.verify import sample_token, split_rows, verify
 
@@ -38,6 +38,7 @@ class LoopSettings:
     eos_ids: tuple[int, ...] = ()
     attn_impl: str = "auto"
     accept_rule: str = "exact"
+    fallback: Fallback | None = None  # plain steps where a row's trees do not pay (spec_jax.fallback)
 
 
 PRECISIONS = ("default", "high", "highest")
@@ -69,7 +70,7 @@ class LoopState:
     calls: jax.Array  # [] target forward passes after prefill
     hist: jax.Array  # [B, D + 1] accepted draft tokens per step (histogram)
     key: jax.Array  # [B, 2] each row's own random key
-    fb: Any = None  # a FallbackDrafter's FallbackState (plain steps where trees do not pay)
+    fb: Any = None  # the fallback's FallbackState (plain steps where trees do not pay), or None
 
 
 def _emit(state_out, n_out, finish, new, count, eos_ids, max_new, active):
@@ -126,8 +127,8 @@ def prefill(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatur
                                jnp.ones((b,), bool))
     finish = jnp.where((finish == FINISH_RUNNING) & (cache.length + t_size > n_slots),
                        FINISH_LENGTH, finish)
-    fb = (drafter.init_fallback(cfg, b, fwd.hidden.dtype) if isinstance(drafter, FallbackDrafter)
-          else None)
+    fb = (None if settings.fallback is None
+          else settings.fallback.init(drafter, cfg, b, fwd.hidden.dtype))
     return LoopState(cache=cache, dstate=dstate, root=first, out=out, n_out=n_out, finish=finish,
                      calls=jnp.zeros((), jnp.int32), hist=jnp.zeros((b, depth + 1), jnp.int32),
                      key=key, fb=fb)
@@ -147,7 +148,7 @@ def decode(params, dparams, state: LoopState, temperature, top_p, row_max_new, *
     def cond(s: LoopState):
         return jnp.any(s.finish == FINISH_RUNNING)
 
-    fallback = isinstance(drafter, FallbackDrafter)
+    fallback = settings.fallback
 
     def score_tree(s: LoopState, dstate, kd, kv):
         """Draft a tree, score it, verify it: (tree, drafter state, forward outputs, verdict)."""
@@ -189,11 +190,12 @@ def decode(params, dparams, state: LoopState, temperature, top_p, row_max_new, *
         active = s.finish == FINISH_RUNNING
         root_pos = s.cache.length
         dstate, fb = s.dstate, s.fb
-        if fallback:
-            use_tree = drafter.wants_tree(fb, active)
+        if fallback is not None:
+            use_tree = fallback.wants_tree(fb, active)
             with jax.named_scope("draft_update"):  # the drafter catches up on the plain steps
                 dstate, fb = jax.lax.cond(
-                    use_tree, lambda: drafter.flush(dparams, params, cfg, dstate, fb, s.root),
+                    use_tree, lambda: fallback.flush(drafter, dparams, params, cfg, dstate, fb,
+                                                     s.root),
                     lambda: (dstate, fb))
             # only reads of the cache inside the branches: its writes (commit) stay outside, in
             # place (written inside, XLA copied every layer's cache buffer each step)
@@ -224,7 +226,7 @@ def decode(params, dparams, state: LoopState, temperature, top_p, row_max_new, *
                             bonus=verdict.bonus, hidden=fwd.hidden, aux_hidden=fwd.aux_hidden,
                             root_pos=root_pos, active=active)
         with jax.named_scope("draft_update"):
-            if fallback:
+            if fallback is not None:
                 dstate, fb = jax.lax.cond(use_tree, lambda: after_tree(dstate, fb, ctx),
                                           lambda: after_root(dstate, fb, ctx, root))
             else:
@@ -235,15 +237,15 @@ def decode(params, dparams, state: LoopState, temperature, top_p, row_max_new, *
 
     def after_tree(dstate, fb, ctx: VerifyContext):
         dstate = drafter.after_verify(dparams, params, cfg, dstate, ctx)
-        return dstate, drafter.after_tree(fb, ctx.n_accepted, ctx.active)
+        return dstate, fallback.after_tree(fb, ctx.n_accepted, ctx.active)
 
     def after_root(dstate, fb, ctx: VerifyContext, root):
         """A plain step: buffer the drafter's inputs; a full buffer goes to the drafter now."""
         aux = None if ctx.aux_hidden is None else ctx.aux_hidden[:, 0]
-        fb = drafter.buffer(fb, ctx.tree.tokens[:, 0], ctx.hidden[:, 0], aux, ctx.root_pos,
-                            ctx.active)
-        return jax.lax.cond(drafter.full(fb),
-                            lambda: drafter.flush(dparams, params, cfg, dstate, fb, root),
+        fb = fallback.buffer(fb, ctx.tree.tokens[:, 0], ctx.hidden[:, 0], aux, ctx.root_pos,
+                             ctx.active)
+        return jax.lax.cond(fallback.full(fb),
+                            lambda: fallback.flush(drafter, dparams, params, cfg, dstate, fb, root),
                             lambda: (dstate, fb))
 
     return jax.lax.while_loop(cond, body, state)

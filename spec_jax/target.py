@@ -81,13 +81,13 @@ class Target:
         layers = self.params["layers"]
         if not isinstance(layers, (list, tuple)):
             return "scan"
-        from pallas_kernels.cpu_gemm import PackedWeight
+        from pallas_kernels.cpu.gemm import PackedWeight
 
         return "packed" if any(isinstance(w, PackedWeight) for w in layers[0].values()) else "unrolled"
 
     @property
     def weight_codes(self) -> bool:
-        """True when packed layers stream uint8 codes with scales (`cpu_gemm.pack_exact`)."""
+        """True when packed layers stream uint8 codes with scales (`gemm.pack_exact`)."""
         return _has_codes(self.params)
 
     def new_cache(self, batch: int, num_slots: int):
@@ -123,6 +123,13 @@ class Target:
         out = np.asarray(self.compiled["logits"](self.params, jnp.asarray(padded)), np.float32)
         return out[0, :t] if one else out[:, :t]
 
+    def identity(self) -> dict[str, Any]:
+        """What draft heads and datastores record of the target they were made for, and check
+        against the target they are used with: family, shapes and weights' fingerprint."""
+        c = self.cfg
+        return {"family": c.family, "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
+                "num_layers": c.num_layers, "fingerprint": self.fingerprint()}
+
     def fingerprint(self) -> str:
         """A short hash of the architecture and a sample of the weights (draft heads check it)."""
         h = hashlib.sha256(json.dumps(
@@ -137,7 +144,7 @@ def load_target(path: str | Path, dtype: str | None = None, layers: str = "auto"
 
     layers: "scan" (stacked, compile time independent of depth), "unrolled" (per-layer buffers,
     faster decoding on CPU), "packed" (unrolled, float32 matrices in the CPU kernel's panel layout:
-    `pallas_kernels.cpu_gemm`; a matrix that is exactly GGUF-dequantized, as SmolLM2's is, as
+    `pallas_kernels.cpu.gemm`; a matrix that is exactly GGUF-dequantized, as SmolLM2's is, as
     uint8 codes and scales that reproduce it bit for bit), "packed_f32" (every matrix as float32
     panels: the same results to float32 rounding, more bytes to read) or "auto" (packed on CPU
     when the kernel builds and the weights are float32, else unrolled on CPU; scan elsewhere). A
@@ -187,7 +194,7 @@ def load_tokenizer(path: Path):
 def resolve_layers(cfg: ModelConfig, layers: str = "auto") -> str:
     """The layout `layers` ("auto" included) stands for here: scan, unrolled, packed or
     packed_f32."""
-    from pallas_kernels import cpu_gemm
+    import pallas_kernels.cpu.gemm as cpu_gemm
 
     if layers not in ("auto", "scan", "unrolled", "packed", "packed_f32"):
         raise SpecJaxError(f"layers must be auto, scan, unrolled, packed or packed_f32, not "
@@ -201,7 +208,7 @@ def resolve_layers(cfg: ModelConfig, layers: str = "auto") -> str:
 
 def arrange_layers(params, cfg: ModelConfig, layers: str = "auto"):
     """Lay the target's parameters out for execution (see `load_target`'s `layers`)."""
-    from pallas_kernels import cpu_gemm
+    import pallas_kernels.cpu.gemm as cpu_gemm
     from spec_jax.models.llama import pack_layers, unstack_layers
 
     layers = resolve_layers(cfg, layers)
@@ -227,8 +234,8 @@ PACKED_CACHE_VERSION = 1
 
 def _packed_cache_key(path: Path) -> str:
     """What a target's packed layout depends on: its weight files (path, size, mtime), the packing
-    code (the sources of cpu_gemm.py and llama.py) and the kernel's panel width."""
-    import pallas_kernels.cpu_gemm as cpu_gemm
+    code (the sources of cpu/gemm.py and llama.py) and the kernel's panel width."""
+    import pallas_kernels.cpu.gemm as cpu_gemm
     import spec_jax.models.llama as llama
 
     files = sorted((str(f.relative_to(path)), f.stat().st_size, f.stat().st_mtime_ns)
@@ -247,7 +254,7 @@ def packed_cached(path: Path, params, cfg: ModelConfig):
     and the kernel build are the ones it was written for. Only targets with exact weight codes
     are cached (finding the codes is most of a load: 3.7 of 7.4 s for SmolLM2; their file is 98 MB
     against 540 MB of float32 panels)."""
-    from pallas_kernels.cpu_gemm import PackedWeight, available
+    from pallas_kernels.cpu.gemm import PackedWeight, available
 
     if not available():
         return arrange_layers(params, cfg, "packed")  # says why it cannot
@@ -277,7 +284,7 @@ def packed_cached(path: Path, params, cfg: ModelConfig):
 
 
 def _packed_cache_file(path: Path) -> Path:
-    from spec_jax.convert.fetch import cache_dir
+    from spec_jax.paths import cache_dir
 
     return cache_dir() / "packed" / (hashlib.sha256(str(Path(path).resolve()).encode())
                                      .hexdigest()[:16] + ".npz")
@@ -286,7 +293,7 @@ def _packed_cache_file(path: Path) -> Path:
 def _packed_cache_read(path: Path) -> dict | None:
     """The arrays `packed_cached` stored for this checkpoint, where they are still its current
     packing (same files, packing code and kernel build), else None."""
-    from pallas_kernels.cpu_gemm import available
+    from pallas_kernels.cpu.gemm import available
 
     file = _packed_cache_file(path)
     if not (available() and file.is_file()):
@@ -316,7 +323,7 @@ def _packed_cache_covers(arrays: dict) -> set:
 def _from_arrays(params, arrays: dict):
     """The packed params that `packed_cached` wrote as arrays, around the loaded (stacked)
     `params`: embedding and norms come from them, packed matrices from the arrays."""
-    from pallas_kernels.cpu_gemm import PackedWeight
+    from pallas_kernels.cpu.gemm import PackedWeight
     from spec_jax.models.llama import FUSED_KEYS
 
     def weight(prefix):

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu_argmax import argmax
+from pallas_kernels.cpu.argmax import argmax
 from spec_jax.tree import Tree
 
 NUCLEUS_TOP_K = 64  # probabilities read for the nucleus before falling back to bisection

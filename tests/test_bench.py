@@ -279,7 +279,7 @@ def test_switch_policy_and_tau_on_a_hand_counted_profile(monkeypatch):
     does not (0) the head's tree; lengths with no positions take their pooled neighbours'."""
     from spec_jax import sizing
 
-    monkeypatch.setattr(sizing, "SWITCH_MIN_POSITIONS", 1)
+    monkeypatch.setattr(sizing.search, "SWITCH_MIN_POSITIONS", 1)
     ranks = [np.array([[-1, -1], [-1, -1], [-1, -1], [0, 0], [-1, -1], [-1, -1]])]
     ngram = [np.array([2, 2, 2, 0, 2, 2])]
     match = [np.array([5, 5, 5, 0, 5, 5])]
@@ -305,7 +305,7 @@ def test_switch_ceiling_takes_the_best_arm_at_every_step(monkeypatch):
     policy must pick one arm for all of them, the ceiling takes the better one at each step."""
     from spec_jax import sizing
 
-    monkeypatch.setattr(sizing, "SWITCH_MIN_POSITIONS", 1)
+    monkeypatch.setattr(sizing.search, "SWITCH_MIN_POSITIONS", 1)
     ranks = [np.array([[0, 0], [-1, -1], [-1, -1], [-1, -1], [0, 0], [0, 0]])]
     ngram = [np.array([0, 2, 2, 2, 0, 0])]
     match = [np.array([5, 5, 5, 5, 0, 0])]
@@ -413,8 +413,9 @@ def test_sizing_also_runs_the_dynamic_twin_of_medusa_trees(tiny_target, tmp_path
     from spec_jax import sizing
 
     monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
-    monkeypatch.setattr(sizing, "verify_latency", lambda target, sizes, batch=1: {t: 0.01 for t in sizes})
-    monkeypatch.setattr(sizing, "draft_latency", lambda *a, **k: 1e-6)
+    monkeypatch.setattr(sizing.calibrate, "verify_latency",
+                        lambda target, sizes, batch=1: {t: 0.01 for t in sizes})
+    monkeypatch.setattr(sizing.calibrate, "draft_latency", lambda *a, **k: 1e-6)
     heads = spec_jax.init_draft(tiny_target, "medusa", seed=1, scale=0.3, num_heads=2)
     _, report = sizing.size_tree(tiny_target, heads, [[1, 2, 3, 4], [5, 6, 7]], max_new_tokens=8,
                                  sizes=(4,), progress=False)
@@ -435,13 +436,13 @@ def test_the_ngram_chain_is_sized_per_target_and_plain_wins_where_no_chain_pays(
     from spec_jax import sizing
 
     monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
-    real = sizing._measure
+    real = sizing.calibrate._measure
 
     def measure(*a, **k):  # real runs (outputs, tau), stubbed speeds: plain 100 tok/s
         m = real(*a, **k)
         return {**m, "tokens_per_second": 100.0 if m["tree"] == sizing.PLAIN else chain_speed}
 
-    monkeypatch.setattr(sizing, "_measure", measure)
+    monkeypatch.setattr(sizing.calibrate, "_measure", measure)
     prompts = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2], [5, 6, 7, 5, 6, 7]]
     assert sizing.cached_ngram(tiny_target) is None
     tree, report = sizing.size_ngram(tiny_target, prompts, max_new_tokens=12, progress=False)
@@ -475,7 +476,6 @@ def test_a_sized_tree_falls_back_to_plain_steps_below_its_measured_break_even(
     import spec_jax
     from spec_jax.errors import SpecJaxError
     from spec_jax.generate import resolve_drafter
-    from spec_jax.heads.fallback import FallbackDrafter
     from spec_jax.sizing import PLAIN, _store, break_even, calibration_key, ngram_key
 
     monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
@@ -486,24 +486,23 @@ def test_a_sized_tree_falls_back_to_plain_steps_below_its_measured_break_even(
     heads = spec_jax.init_draft(tiny_target, "eagle", seed=1, scale=0.3)
     _store(calibration_key(tiny_target, heads, 1), {"tree": [[0], [1]], "measured": measured})
     for tree in (None, "auto"):
-        d = resolve_drafter(tiny_target, heads, tree)[0]
-        assert isinstance(d, FallbackDrafter) and d.plain_below == pytest.approx(2.0)
-        assert d.prior == pytest.approx(2.4)
+        d, _, fb = resolve_drafter(tiny_target, heads, tree)
+        assert fb is not None and fb.plain_below == pytest.approx(2.0)
+        assert fb.prior == pytest.approx(2.4)
         assert d.tree_size == 3 and d.method == "eagle"
-    assert not isinstance(resolve_drafter(tiny_target, heads, None, fallback=False)[0],
-                          FallbackDrafter)
-    assert not isinstance(resolve_drafter(tiny_target, heads, "chain:2")[0], FallbackDrafter)
+    assert resolve_drafter(tiny_target, heads, None, fallback=False).fallback is None
+    assert resolve_drafter(tiny_target, heads, "chain:2").fallback is None
     # the sized tree with a graft the caller adds is not the tree the break-even was measured for
-    assert not isinstance(resolve_drafter(tiny_target, heads, "+ngram:4")[0], FallbackDrafter)
-    assert resolve_drafter(tiny_target, heads, "chain:2", fallback=1.5)[0].plain_below == 1.5
-    assert resolve_drafter(tiny_target, heads, "chain:2", fallback=(1.5, 2.5))[0].prior == 2.5
+    assert resolve_drafter(tiny_target, heads, "+ngram:4").fallback is None
+    assert resolve_drafter(tiny_target, heads, "chain:2", fallback=1.5).fallback.plain_below == 1.5
+    assert resolve_drafter(tiny_target, heads, "chain:2", fallback=(1.5, 2.5)).fallback.prior == 2.5
     for bad in ("often", -1.0, (2.0, 1.0), (1.0,)):
         with pytest.raises(SpecJaxError, match="fallback must be"):
             resolve_drafter(tiny_target, heads, "chain:2", fallback=bad)
     _store(ngram_key(tiny_target, 1), {"tree": [[0]], "measured": [
         {"tree": PLAIN, "tau": 1.0, "tokens_per_second": 100.0},
         {"tree": [[0]], "tau": 1.5, "tokens_per_second": 125.0}]})
-    assert resolve_drafter(tiny_target, "ngram", None)[0].plain_below == pytest.approx(1.2)
+    assert resolve_drafter(tiny_target, "ngram", None).fallback.plain_below == pytest.approx(1.2)
     r = spec_jax.generate(tiny_target, [1, 2, 3], 30, chat=False, draft=heads)
     assert r.token_ids == spec_jax.generate(tiny_target, [1, 2, 3], 30, chat=False).token_ids
 
@@ -517,9 +516,15 @@ def test_the_sizing_keeps_the_fallback_where_its_run_measured_that_it_pays(
     that lost to plain gets a prior just above its break-even, so rows probe it now and then."""
     import spec_jax
     from spec_jax.generate import resolve_drafter
-    from spec_jax.heads.fallback import FallbackDrafter
-    from spec_jax.sizing import (PLAIN, PROBE_MARGIN, _store, calibration_key, choose,
-                                 chosen_fallback, fallback_point)
+    from spec_jax.sizing import (
+        PLAIN,
+        PROBE_MARGIN,
+        _store,
+        calibration_key,
+        choose,
+        chosen_fallback,
+        fallback_point,
+    )
 
     monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
     tree = [[0], [1]]
@@ -555,11 +560,11 @@ def test_the_sizing_keeps_the_fallback_where_its_run_measured_that_it_pays(
     heads = spec_jax.init_draft(tiny_target, "eagle", seed=1, scale=0.3)
     key = calibration_key(tiny_target, heads, 1)
     _store(key, {"tree": tree, "fallback": None, "measured": worse})
-    assert not isinstance(resolve_drafter(tiny_target, heads, None)[0], FallbackDrafter)
+    assert resolve_drafter(tiny_target, heads, None).fallback is None
     _store(key, {"tree": tree, "measured": won})
-    d = resolve_drafter(tiny_target, heads, None)[0]
-    assert isinstance(d, FallbackDrafter) and d.plain_below == pytest.approx(2.0)
-    assert d.prior == pytest.approx(2.0 * (1 + PROBE_MARGIN))
+    fb = resolve_drafter(tiny_target, heads, None).fallback
+    assert fb is not None and fb.plain_below == pytest.approx(2.0)
+    assert fb.prior == pytest.approx(2.0 * (1 + PROBE_MARGIN))
 
 
 def test_a_multi_turn_prompt_is_played_as_its_conversation(tiny_target, monkeypatch):

@@ -1,4 +1,4 @@
-"""The CPU argmax kernel (pallas_kernels/cpu_argmax.cc) gives jnp.argmax's answer: ties, NaN,
+"""The CPU argmax kernel (pallas_kernels/cpu/argmax.cc) gives jnp.argmax's answer: ties, NaN,
 -inf rows, short rows, leading axes, vmap, and no gradient trouble."""
 import shutil
 
@@ -7,15 +7,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_build
-from pallas_kernels.cpu_argmax import argmax
+from pallas_kernels.cpu import build
+from pallas_kernels.cpu.argmax import argmax
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None,
                                 reason="the CPU kernel is built with the system C++ compiler")
 
 
 def test_matches_jnp_argmax():
-    assert cpu_build.available()
+    assert build.available()
     rng = np.random.default_rng(0)
     x = rng.standard_normal((3, 5, 1000)).astype(np.float32)
     x[0, 0, [10, 700]] = 9.0  # a tie: the first index wins

@@ -1,4 +1,4 @@
-"""The CPU tree-attention kernel (pallas_kernels/cpu_attention.cc): equal to the reference, each
+"""The CPU tree-attention kernel (pallas_kernels/cpu/attention.cc): equal to the reference, each
 query independent of the others to the bit (so verification agrees with plain decoding), and
 differentiable through the pure-JAX path."""
 import shutil
@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels import cpu_attention, tree_attention
+from pallas_kernels import tree_attention
+from pallas_kernels.cpu import attention
 from pallas_kernels.reference import tree_attention_reference
 from tests.test_kernels import CASES, make_inputs
 
@@ -20,7 +21,7 @@ attend = jax.jit(tree_attention, static_argnames=("impl", "scale", "block_size")
 @pytest.mark.parametrize("case", range(len(CASES)))
 def test_equals_reference(case):
     args = make_inputs(*CASES[case], jnp.float32, seed=case)
-    assert cpu_attention.supported(args[0], args[1], args[5])
+    assert attention.supported(args[0], args[1], args[5])
     np.testing.assert_allclose(np.asarray(attend(*args, impl="cpu")),
                                np.asarray(tree_attention_reference(*args)), atol=2e-6, rtol=0)
 
@@ -113,7 +114,7 @@ def test_auto_is_the_kernel_on_cpu_and_bfloat16_falls_back():
 
     assert resolve_impl("auto") == "cpu"
     args = make_inputs(*CASES[0], jnp.bfloat16, seed=0)
-    assert not cpu_attention.supported(args[0], args[1], args[5])
+    assert not attention.supported(args[0], args[1], args[5])
     out = attend(*args, impl="cpu")
     assert out.dtype == jnp.bfloat16
     ref = tree_attention_reference(*[a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a

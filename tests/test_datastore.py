@@ -8,9 +8,14 @@ import pytest
 
 import spec_jax
 from spec_jax.errors import SpecJaxError
-from spec_jax.heads.datastore import (Datastore, build_datastore, load_datastore, lookup,
-                                      save_datastore)
-from spec_jax.heads.graft import split_datastore
+from spec_jax.heads.datastore import (
+    Datastore,
+    build_datastore,
+    load_datastore,
+    lookup,
+    save_datastore,
+)
+from spec_jax.tree_spec import parse
 
 
 def chains(ds: Datastore, contexts, depth=None):
@@ -68,16 +73,6 @@ def test_lookup_matches_a_brute_force_search_on_random_corpora():
         want = [brute_force(docs, c, ds.min_ngram, ds.max_ngram, ds.depth) for c in contexts]
         assert chains(ds, contexts) == want
         assert sum(map(len, want)) > 40  # the corpora are small-vocabulary: most contexts match
-
-
-def test_tree_syntax():
-    assert split_datastore("dynamic:8,5,24+ngram:8+ds:8") == ("dynamic:8,5,24+ngram:8", 8)
-    assert split_datastore("auto+ds:4+ngram:2") == ("auto+ngram:2", 4)
-    assert split_datastore("+ds") == (None, 8) and split_datastore("chain:3") == ("chain:3", None)
-    assert split_datastore({"base": [[0]], "ngram": 4, "ds": 0}) == ({"base": [[0]], "ngram": 4}, 0)
-    for bad in ("chain:3+ds:x", "chain:3+ds:0", "+ds:2+ds:3"):
-        with pytest.raises(SpecJaxError, match=r"\+ds:N"):
-            split_datastore(bad)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +161,7 @@ def test_sizing_weighs_the_datastore_and_caches_per_datastore(tiny_target, datas
     assert with_ds and all(c["size"] in (2, 4, 8) for c in report["curve"])
     # the corpus holds these very continuations: the datastore chain is predicted to be accepted
     assert max(c["tau"] for c in with_ds) > max(c["tau"] for c in report["curve"] if not c["ds"])
-    assert any(split_datastore(m["tree"])[1] for m in report["measured"])  # and was run end to end
+    assert any(parse(m["tree"]).ds for m in report["measured"])  # and was run end to end
     assert tree == PLAIN or ("ds" in tree and tree_tokens(tree) <= 8)
     assert tree == choose(report["measured"])["tree"]
     assert cached_tree(tiny_target, heads, datastore=datastore) == tree

@@ -55,7 +55,7 @@ def test_keeps_the_most_recently_used_compiled_loops(monkeypatch):
     of the process's 65 530 memory maps."""
     import importlib
 
-    monkeypatch.setattr(importlib.import_module("spec_jax.generate"), "MAX_LOOPS", 2)
+    monkeypatch.setattr(importlib.import_module("spec_jax.engine"), "MAX_LOOPS", 2)
     t = spec_jax.random_target(tiny_config(), seed=0)
     for n in (3, 40, 3, 70):  # the output length, rounded up to 32, is static: one loop each
         spec_jax.generate(t, [1, 2], n, stop_at_eos=False)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels import tree_attention
-from pallas_kernels.kernels import tree_attention_pallas
+from pallas_kernels.dispatch import tree_attention_pallas
 from pallas_kernels.reference import tree_attention_reference
 from spec_jax.tree import ancestor_mask_np
 
@@ -94,7 +94,7 @@ def test_bfloat16_lowers_for_both():
 
 def test_triton_split_k_equals_reference():
     """Many cache chunks per row (flash-decoding split), empty and fully masked chunks included."""
-    from pallas_kernels.kernels import cache_attention_triton
+    from pallas_kernels.gpu import cache_attention_triton
     from pallas_kernels.reference import cache_attention
 
     args = make_inputs(3, 5, 2, 3, 32, 700, [700, 0, 263], jnp.float32, seed=11)

@@ -1,8 +1,8 @@
 """Logits parity with transformers' PyTorch models on tiny random configs (float32, 1e-4)."""
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-import jax.numpy as jnp
 
 from spec_jax.cache import cache_for
 from spec_jax.config import ModelConfig

@@ -96,7 +96,7 @@ def test_speculative_greedy_equals_plain(smollm2, plain_eval, method):
 def test_packed_cpu_layout_matches_and_stays_lossless(smollm2):
     """The CPU default layout (packed matmuls) gives the scanned model's logits and, with the shipped
     EAGLE heads on a 16-node EAGLE-2 tree, exactly its own plain greedy output."""
-    from pallas_kernels import cpu_gemm
+    from pallas_kernels.cpu import gemm as cpu_gemm
     from spec_jax.target import Target, arrange_layers
 
     if not cpu_gemm.available():

@@ -94,8 +94,8 @@ def test_static_tree_drafts_what_the_full_dynamic_tree_does(tiny_target, heads):
     import jax
     import jax.numpy as jnp
 
-    from spec_jax.heads.base import PrefillContext
     from spec_jax.cache import cache_for
+    from spec_jax.heads.base import PrefillContext
     from spec_jax.models.llama import causal_mask, forward
 
     h = heads["eagle"]
@@ -231,9 +231,10 @@ def test_switch_rows_take_their_own_arms(tiny_target, heads):
     not takes the head's tree, and both still decode exactly as plain greedy decoding."""
     import jax.numpy as jnp
 
+    from spec_jax.drafting import build
     from spec_jax.heads.ngram import NgramState
 
-    d = heads["eagle"].drafter(SWITCH)
+    d = build(tiny_target, heads["eagle"], SWITCH)[0]
     hist = jnp.asarray([[1, 2, 3, 4, 5, 6, 0, 0], [1, 2, 3, 9, 1, 2, 3, 0]], jnp.int32)
     arm, chain, valid = d.choice((None, NgramState(hist=hist, hlen=jnp.asarray([6, 7]))))
     np.testing.assert_array_equal(arm, [0, 2])  # no earlier match; "1 2 3" matched (length 3)
@@ -246,17 +247,22 @@ def test_switch_rows_take_their_own_arms(tiny_target, heads):
         assert r.token_ids == spec_jax.generate(tiny_target, p, 20, stop_at_eos=False).token_ids
 
 
-def test_a_malformed_switch_is_refused(heads):
-    arms = [{"base": [[0]], "ngram": 1}, {"base": [], "ngram": 1}]
-    with pytest.raises(SpecJaxError, match="differ in tree tokens"):
-        heads["eagle"].drafter({"switch": arms, "policy": [0, 1]})
-    with pytest.raises(SpecJaxError, match="policy"):
-        heads["eagle"].drafter({"switch": arms[:1], "policy": [0, 1]})
+def test_a_malformed_switch_is_refused(tiny_target, heads):
     import json
 
-    assert heads["eagle"].drafter(json.dumps(SWITCH)).tree_size == 4  # as the CLI's --tree passes it
+    from spec_jax.drafting import build
+
+    arms = [{"base": [[0]], "ngram": 1}, {"base": [], "ngram": 1}]
+    with pytest.raises(SpecJaxError, match="differ in tree tokens"):
+        build(tiny_target, heads["eagle"], {"switch": arms, "policy": [0, 1]})
+    with pytest.raises(SpecJaxError, match="policy"):
+        build(tiny_target, heads["eagle"], {"switch": arms[:1], "policy": [0, 1]})
+    # as the CLI's --tree passes it
+    assert build(tiny_target, heads["eagle"], json.dumps(SWITCH))[0].tree_size == 4
     with pytest.raises(SpecJaxError, match="as JSON"):
-        heads["eagle"].drafter('{"switch": [oops')
+        build(tiny_target, heads["eagle"], '{"switch": [oops')
+    with pytest.raises(SpecJaxError, match="drafting.build"):  # heads alone draft base trees
+        heads["eagle"].drafter(SWITCH)
 
 
 def test_a_graft_written_as_json_text_drafts_as_its_dict(tiny_target, heads):
@@ -340,20 +346,20 @@ def test_plain_fallback_decodes_as_plain_and_greedy(tiny_target, heads, plain_ti
 
 
 def test_plain_fallback_hands_the_drafter_its_skipped_tokens_at_once(tiny_target, heads):
-    """`FallbackDrafter.flush` gives a drafter the state that one-token steps would have: a
+    """`Fallback.flush` gives a drafter the state that one-token steps would have: a
     chunk of buffered plain steps equals the same tokens accepted one at a time."""
     import jax
     import jax.numpy as jnp
 
+    from spec_jax.fallback import Fallback
     from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
-    from spec_jax.heads.fallback import FallbackDrafter
     from spec_jax.models.llama import causal_mask, forward
 
     cfg, tp = tiny_target.cfg, tiny_target.params
     for method in ("eagle", "eagle3"):
         h = heads[method]
         inner = h.drafter("chain:2")
-        d = FallbackDrafter(inner=inner, plain_below=9.0, prior=10.0, window=8)
+        d, fbp = inner, Fallback(plain_below=9.0, prior=10.0, window=8)
         dp = h.bind(tiny_target)
         toks = jnp.asarray([[3, 9, 4, 1, 7, 2, 8, 5, 6, 11, 12, 13]], jnp.int32)
         p, n = 4, 6  # prompt, then n tokens through plain steps
@@ -365,7 +371,7 @@ def test_plain_fallback_hands_the_drafter_its_skipped_tokens_at_once(tiny_target
             tokens=toks[:, :p], prompt_len=jnp.asarray([p]), hidden=fwd.hidden[:, :p],
             aux_hidden=None if fwd.aux_hidden is None else fwd.aux_hidden[:, :p],
             first_token=toks[:, p]))
-        one_by_one, fb = state, d.init_fallback(cfg, 1, fwd.hidden.dtype)
+        one_by_one, fb = state, fbp.init(d, cfg, 1, fwd.hidden.dtype)
         active = jnp.asarray([True])
         for i in range(p, p + n):
             aux = None if fwd.aux_hidden is None else fwd.aux_hidden[:, i:i + 1]
@@ -374,9 +380,9 @@ def test_plain_fallback_hands_the_drafter_its_skipped_tokens_at_once(tiny_target
                 tree=tree, path=jnp.zeros((1, 1), jnp.int32), n_accepted=jnp.asarray([1]),
                 bonus=toks[:, i + 1], hidden=fwd.hidden[:, i:i + 1], aux_hidden=aux,
                 root_pos=jnp.asarray([i]), active=active))
-            fb = d.buffer(fb, toks[:, i], fwd.hidden[:, i], None if aux is None else aux[:, 0],
+            fb = fbp.buffer(fb, toks[:, i], fwd.hidden[:, i], None if aux is None else aux[:, 0],
                           jnp.asarray([i]), active)
-        chunked, fb = d.flush(dp, tp, cfg, state, fb, toks[:, p + n])
+        chunked, fb = fbp.flush(d, dp, tp, cfg, state, fb, toks[:, p + n])
         assert int(fb.count[0]) == 0 and int(fb.plain[0]) == n
         for a, b in zip(jax.tree.leaves(one_by_one), jax.tree.leaves(chunked)):
             np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),

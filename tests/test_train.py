@@ -125,7 +125,7 @@ def test_a_post_norm_eagle_head_trains_and_stays_lossless(toy, tmp_path):
     the setting through save and load, and a pre-norm head cannot be fine-tuned into one."""
     from spec_jax.errors import SpecJaxError
     from spec_jax.heads.registry import save_draft
-    from spec_jax.models.llama import rms_norm
+    from spec_jax.models.layers import rms_norm
 
     target, prompts, seqs = toy
     data = data_for(target, seqs, "eagle")

@@ -2,11 +2,11 @@
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from spec_jax.errors import SpecJaxError
-from spec_jax.tree import (MC_SIM_7B_63, MEDUSA_DEFAULT, StaticTree, ancestor_mask,
-                           children_table, parse_tree, tree_object)
+from spec_jax.tree import MC_SIM_7B_63, MEDUSA_DEFAULT, StaticTree, ancestor_mask, children_table
 
 
 @st.composite
@@ -67,20 +67,11 @@ def test_published_trees():
     assert medusa.max_depth == 4
 
 
-def test_parse_tree_options_and_errors():
-    assert parse_tree("chain:3").paths == ((0,), (0, 0), (0, 0, 0))
-    assert parse_tree("dynamic:4,3,12") == {"top_k": 4, "depth": 3, "total_tokens": 12}
-    assert parse_tree("[[0],[1],[0,0]]").size == 4
+def test_static_tree_errors():
     with pytest.raises(SpecJaxError, match="parent path"):
         StaticTree.from_paths([[0, 1]])
-    with pytest.raises(SpecJaxError, match="cannot read tree"):
-        parse_tree("bogus")
     with pytest.raises(SpecJaxError, match="list of rank lists"):  # not a traceback
         StaticTree.from_paths({"base": [[0]], "ngram": 4})
-    assert tree_object('{"base": [[0]], "ngram": 4}') == {"base": [[0]], "ngram": 4}
-    assert tree_object("[[0]]") == "[[0]]"
-    with pytest.raises(SpecJaxError, match="as JSON"):
-        tree_object('{"base": [[0]')
 
 
 def test_graft_follows_the_tree_then_branches_off():
@@ -88,7 +79,7 @@ def test_graft_follows_the_tree_then_branches_off():
     leaves unneeded or invalid chain slots unreachable."""
     import jax.numpy as jnp
 
-    from spec_jax.heads.graft import graft, split_graft
+    from spec_jax.compose.graft import graft
     from spec_jax.tree import StaticTree, static_tree_batch
 
     base = StaticTree.from_paths([[0], [1], [0, 0]])  # root 0; 1 and 2 under root; 3 under 1
@@ -105,18 +96,14 @@ def test_graft_follows_the_tree_then_branches_off():
     np.testing.assert_array_equal(g.children[0, 3], [6, -1, -1])
     assert bool(g.mask[0, 6, 1]) and bool(g.mask[0, 6, 3]) and not bool(g.mask[0, 6, 2])
     assert np.asarray(g.mask[0, 4]).sum() == 1  # a dead node sees only itself
-    assert split_graft("dynamic:8,5,32+ngram:4") == ("dynamic:8,5,32", 4)
-    assert split_graft("auto+ngram:2") == ("auto", 2) and split_graft("+ngram:3") == (None, 3)
-    with pytest.raises(SpecJaxError, match="ngram:N"):
-        split_graft("chain:3+ngram:x")
 
 
 def test_greedy_walk_accepts_what_a_node_by_node_walk_does():
     """The vectorised greedy verification against the walk it replaces: from the root, take the
     first child (in try order) whose token is the target's argmax, until none is. Random trees of
     12 nodes (some unused, as a graft leaves them: parent -1) with distinct sibling tokens."""
-    from spec_jax.verify import greedy_walk
     from spec_jax.tree import Tree
+    from spec_jax.verify import greedy_walk
 
     rng = np.random.default_rng(0)
     b, t, k, vocab, max_depth = 256, 12, 4, 6, 5

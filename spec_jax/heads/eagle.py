@@ -16,11 +16,12 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu_gemm import dot_f32, matmul
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.feature import FeatureDrafter, draft_attention
+from spec_jax.heads.method import Method, dynamic_settings, feature_drafter
 from spec_jax.heads.vocab import shared_head_weight
-from spec_jax.models.llama import decoder_layer, embed, rms_norm, rope_table
+from spec_jax.models.layers import dot_f32, matmul, rms_norm
+from spec_jax.models.llama import decoder_layer, embed, rope_table
 
 
 def init_layer(cfg, key, scale, in_dim=None, input_norm=True):
@@ -114,3 +115,40 @@ class EagleDrafter(FeatureDrafter):
             ks.append(k)
             vs.append(v)
         return x, tuple(ks), tuple(vs)
+
+
+def _drafter(hparams: dict, tree):
+    return feature_drafter(lambda **dyn: EagleDrafter(num_layers=hparams.get("num_layers", 1),
+                                                      features=features_of(hparams), **dyn),
+                           dynamic_settings(hparams), tree)
+
+
+def _grow(params, hparams: dict, target, wanted: dict, seed: int):
+    """Heads grown by identity layers up to the `num_layers` wanted (`add_layers`); heads that read
+    other features than `wanted` cannot be."""
+    have = features_of(hparams)
+    want = wanted.get("features", have)
+    if want != have:
+        raise SpecJaxError(f"--init heads read {have}-norm features, not {want}-norm: train a "
+                           f"fresh head for {want}")
+    layers = wanted.get("num_layers", 1)
+    if layers > hparams.get("num_layers", 1):
+        params = add_layers(params, target.cfg, layers, jax.random.PRNGKey(seed))
+        hparams = {**hparams, "num_layers": layers}
+    return params, hparams
+
+
+METHOD = Method(
+    name="eagle", title="EAGLE",
+    defaults={"top_k": 8, "depth": 5, "total_tokens": 32, "num_layers": 1, "features": "post"},
+    init_params=lambda tcfg, key, scale, hp, d2t: (
+        init_params(tcfg, key, scale, num_layers=hp["num_layers"]), hp),
+    drafter=_drafter, check=lambda hp: check_features(hp["features"]), grow=_grow,
+    # the paper's loss: SmoothL1 on the next feature beside the (weighted) cross-entropy
+    unroll=lambda hp, cfg: dict(steps=cfg.eagle_ttt_steps, noise=cfg.noise, feat_loss_weight=1.0,
+                                ce_weight=cfg.eagle_ce_weight, decay=cfg.decay),
+    train_record=lambda hp, cfg: {"ttt_steps": cfg.eagle_ttt_steps,
+                                  "ce_weight": cfg.eagle_ce_weight},
+    flags=("--layers", "--eagle-features"),
+    flag_hparams=lambda layers, features, own_lm_heads: (
+        (("num_layers", layers),) + ((("features", features),) if features else ())))

@@ -11,11 +11,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.cpu_gemm import dot_f32, matmul
 from spec_jax.heads.eagle import init_layer
 from spec_jax.heads.feature import FeatureDrafter, draft_attention
+from spec_jax.heads.method import Method, dynamic_settings, feature_drafter
 from spec_jax.heads.vocab import vocab_maps
-from spec_jax.models.llama import apply_rope, embed, rms_norm, rope_table
+from spec_jax.models.layers import dot_f32, matmul, rms_norm
+from spec_jax.models.llama import apply_rope, embed, rope_table
 
 
 def init_params(cfg, key, scale=0.02, draft_vocab: int | None = None, d2t=None):
@@ -66,3 +67,25 @@ class Eagle3Drafter(FeatureDrafter):
     def logits(self, dparams, tparams, tcfg, feat):
         h = rms_norm(feat, dparams["norm"], tcfg.rms_norm_eps)
         return dot_f32(h, dparams["lm_head"])
+
+
+def _init(tcfg, key, scale, hparams: dict, d2t):
+    """Fresh heads over a draft vocabulary of at most the target's, fusing the target's
+    `eagle3_layers`."""
+    hparams = {**hparams, "draft_vocab": min(hparams["draft_vocab"], tcfg.vocab_size),
+               "fused_layers": list(tcfg.eagle3_layers)}
+    return init_params(tcfg, key, scale, draft_vocab=hparams["draft_vocab"], d2t=d2t), hparams
+
+
+METHOD = Method(
+    name="eagle3", title="EAGLE-3",
+    defaults={"top_k": 8, "depth": 6, "total_tokens": 32, "draft_vocab": 8192},
+    init_params=_init,
+    drafter=lambda hp, tree: feature_drafter(
+        lambda **dyn: Eagle3Drafter(fused_layers=tuple(hp["fused_layers"]), **dyn),
+        dynamic_settings(hp), tree),
+    own_vocab=True, aux_layers=lambda tcfg: tcfg.eagle3_layers,
+    # training-time test: unrolled draft steps, cross-entropy only
+    unroll=lambda hp, cfg: dict(steps=cfg.ttt_steps, noise=0.0, feat_loss_weight=0.0,
+                                ce_weight=1.0, decay=cfg.decay),
+    train_record=lambda hp, cfg: {"ttt_steps": cfg.ttt_steps})

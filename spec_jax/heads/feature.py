@@ -84,7 +84,7 @@ class FeatureDrafter(Drafter):
         return dataclasses.replace(self, attn_impl=impl)
 
     def proposing(self, tree: StaticTree):
-        """This drafter proposing the static `tree` from the same state (spec_jax.heads.switch):
+        """This drafter proposing the static `tree` from the same state (spec_jax.compose.switch):
         top_k is kept, so the state's root candidates must cover every rank the tree uses."""
         if int(tree.arrays()[2].max()) + 1 > self.top_k:
             raise ValueError(f"tree ranks exceed top_k {self.top_k}")
@@ -185,7 +185,7 @@ class FeatureDrafter(Drafter):
         return best_nodes_tree(root, pool, self.total_tokens - 1, self.depth, self.top_k), state
 
     def propose_pool(self, dparams, tparams, tcfg, state: FeatureState, root) -> Pool:
-        """The dynamic tree's candidates before its final selection (spec_jax.heads.graft ranks
+        """The dynamic tree's candidates before its final selection (spec_jax.compose.graft ranks
         grafted chains among them)."""
         b = root.shape[0]
         k, depth = self.top_k, self.depth

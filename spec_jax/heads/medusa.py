@@ -19,13 +19,20 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import cpu_gemm
+from pallas_kernels.cpu import gemm as cpu_gemm
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
+from spec_jax.heads.method import Method
 from spec_jax.heads.vocab import shared_head_weight, to_target_ids, topk_logp
-from spec_jax.models.llama import rms_norm
-from spec_jax.tree import (MEDUSA_DEFAULT, Pool, StaticTree, best_nodes_tree, check_dynamic,
-                           static_tree_batch)
+from spec_jax.models.layers import dot_f32, rms_norm
+from spec_jax.tree import (
+    MEDUSA_DEFAULT,
+    Pool,
+    StaticTree,
+    best_nodes_tree,
+    check_dynamic,
+    static_tree_batch,
+)
 
 
 def init_params(cfg, key, scale=0.0, num_heads: int = 4):
@@ -38,7 +45,7 @@ def init_params(cfg, key, scale=0.0, num_heads: int = 4):
 def add_lm_heads(params: dict, tparams, tcfg) -> dict:
     """`params` with an LM head of its own per Medusa head ([K, H, Vd], each a copy of the target's
     over the draft vocabulary, as Medusa-1 initialises them): the heads start where they were."""
-    from pallas_kernels.cpu_gemm import unpack
+    from pallas_kernels.cpu.gemm import unpack
 
     w = shared_head_weight({k: v for k, v in params.items() if k != "lm_sub"}, tparams, tcfg)
     if isinstance(w, cpu_gemm.PackedWeight):
@@ -58,7 +65,7 @@ def medusa_logits(dparams, tparams, tcfg, hidden):
     z = h + jax.nn.silu(jnp.einsum("bxh,khd->bkd", h, dparams["w"]) + dparams["b"])
     if "lm_heads" in dparams:  # all K: slicing the weights first copies them (XLA:CPU, 10x slower)
         return jnp.einsum("bkh,khv->bkv", z, dparams["lm_heads"], preferred_element_type=jnp.float32)
-    return cpu_gemm.dot_f32(z, shared_head_weight(dparams, tparams, tcfg))
+    return dot_f32(z, shared_head_weight(dparams, tparams, tcfg))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,3 +146,46 @@ class MedusaDrafter(Drafter):
             base += k * k
         depths = [jnp.full((b, k if d == 0 else k * k), d + 1, jnp.int32) for d in range(depth)]
         return Pool.concat(pool_tok, pool_score, pool_parent, depths)
+
+
+def _drafter(hparams: dict, tree) -> MedusaDrafter:
+    """Medusa heads' drafter for a parsed tree: a static tree, a dynamic one (its depth at most
+    the number of heads by default), or the default tree cut to the number of heads."""
+    kw = {"num_heads": hparams["num_heads"]}
+    if isinstance(tree, StaticTree):
+        kw["tree"] = tree
+    elif isinstance(tree, dict):
+        kw["dynamic"] = (tree.get("top_k", 8), tree.get("depth", hparams["num_heads"]),
+                         tree.get("total_tokens", 32))
+    else:  # the default tree, cut to the number of heads
+        kw["tree"] = StaticTree.from_paths(
+            [p for p in MEDUSA_DEFAULT if len(p) <= hparams["num_heads"]])
+    return MedusaDrafter(**kw)
+
+
+def _grow(params, hparams: dict, target, wanted: dict, seed: int):
+    """Heads given LM heads of their own where `wanted` asks for them (`add_lm_heads`)."""
+    if wanted.get("own_lm_heads") and "lm_heads" not in params:
+        params = add_lm_heads(params, target.params, target.cfg)
+        if not hparams.get("own_lm_heads"):
+            hparams = {**hparams, "own_lm_heads": True}
+    return params, hparams
+
+
+def head_logits(dparams, tparams, tcfg, feats):
+    """feats [B, L, H] -> every head's logits [B, L, K, Vd] (`medusa_logits` per position)."""
+    b, n, h = feats.shape
+    lg = medusa_logits(dparams, tparams, tcfg, feats.reshape(b * n, h))
+    return lg.reshape(b, n, *lg.shape[1:])
+
+
+METHOD = Method(
+    name="medusa", title="Medusa",
+    defaults={"num_heads": 4},  # "own_lm_heads": True gives each head its own LM head
+    init_params=lambda tcfg, key, scale, hp, d2t: (
+        init_params(tcfg, key, scale, num_heads=hp["num_heads"]), hp),
+    drafter=_drafter, grow=_grow,
+    profile_depth=lambda hp: int(hp["num_heads"]), head_logits=head_logits,
+    flags=("--own-lm-heads",),
+    flag_hparams=lambda layers, features, own_lm_heads: (
+        (("own_lm_heads", True),) if own_lm_heads else ()))

@@ -10,7 +10,9 @@ import jax.numpy as jnp
 
 from spec_jax.heads.eagle import init_layer
 from spec_jax.heads.feature import FeatureDrafter, draft_attention
-from spec_jax.models.llama import decoder_layer, embed, rms_norm, rope_table
+from spec_jax.heads.method import Method, feature_drafter
+from spec_jax.models.layers import rms_norm
+from spec_jax.models.llama import decoder_layer, embed, rope_table
 
 
 def init_params(cfg, key, scale=0.02, num_modules: int = 1):
@@ -43,3 +45,21 @@ class MtpDrafter(FeatureDrafter):
         x, k, v = decoder_layer(mp["layer"], tcfg, x, rope_table(positions, tcfg), attend,
                                 rows=rows)
         return x, (k,), (v,)
+
+
+def _depth(hparams: dict) -> int:
+    return hparams.get("depth", 3)
+
+
+METHOD = Method(
+    name="mtp", title="MTP",
+    defaults={"num_modules": 1, "depth": 3},
+    init_params=lambda tcfg, key, scale, hp, d2t: (
+        init_params(tcfg, key, scale, num_modules=hp["num_modules"]), hp),
+    # a chain: the top-1 dynamic tree of its depth
+    drafter=lambda hp, tree: feature_drafter(
+        lambda **dyn: MtpDrafter(num_modules=hp.get("num_modules", 1), **dyn),
+        {"top_k": 1, "depth": _depth(hp), "total_tokens": _depth(hp) + 1}, tree),
+    profile_depth=lambda hp: int(_depth(hp)),
+    unroll=lambda hp, cfg: dict(steps=_depth(hp), noise=0.0, feat_loss_weight=0.0, ce_weight=1.0,
+                                decay=1.0))

@@ -24,15 +24,6 @@ class NgramDrafter(Drafter):
     depth: int = 6
     max_ngram: int = 8
 
-    @classmethod
-    def from_tree(cls, tree):
-        from spec_jax.tree import parse_tree
-
-        t = parse_tree(tree)
-        if isinstance(t, StaticTree):
-            return cls(depth=t.max_depth)
-        return cls()
-
     @property
     def tree_size(self):
         return self.depth + 1

@@ -9,21 +9,8 @@ from typing import Any
 import jax
 
 from spec_jax.errors import SpecJaxError
-from spec_jax.tree import StaticTree, check_dynamic, parse_tree
-
-METHODS = ("eagle", "eagle3", "medusa", "mtp")
-DEFAULT_HPARAMS = {
-    "eagle": {"top_k": 8, "depth": 5, "total_tokens": 32, "num_layers": 1, "features": "post"},
-    "eagle3": {"top_k": 8, "depth": 6, "total_tokens": 32, "draft_vocab": 8192},
-    "medusa": {"num_heads": 4},  # "own_lm_heads": True gives each head its own LM head
-    "mtp": {"num_modules": 1, "depth": 3},
-}
-
-
-def target_identity(target) -> dict[str, Any]:
-    c = target.cfg
-    return {"family": c.family, "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
-            "num_layers": c.num_layers, "fingerprint": target.fingerprint()}
+from spec_jax.heads.methods import METHODS, method_of
+from spec_jax.tree_spec import Dynamic, Plain, Static, Switch, parse
 
 
 @dataclasses.dataclass(eq=False)
@@ -36,7 +23,7 @@ class DraftHeads:
 
     def check_target(self, target) -> None:
         mine = self.target_info
-        theirs = target_identity(target)
+        theirs = target.identity()
         bad = [k for k in ("family", "hidden_size", "vocab_size", "num_layers", "fingerprint")
                if k in mine and mine[k] != theirs[k]]
         if bad:
@@ -75,7 +62,7 @@ class DraftHeads:
             return hit[2]
         params = bind_target(self.params, target.params, target.cfg)
         if pack:
-            from pallas_kernels.cpu_gemm import pack_exact, pack_matrices
+            from pallas_kernels.cpu.gemm import pack_exact, pack_matrices
 
             exact = {}
             if "lm_sub" in params:  # a slice of the target's LM head: where its float32 weights
@@ -87,67 +74,30 @@ class DraftHeads:
         return params
 
     def drafter(self, tree=None):
-        """The Drafter for these heads; `tree` overrides the tree (see spec_jax.tree.parse_tree),
-        with an n-gram chain grafted on for `TREE+ngram:N` (see spec_jax.heads.graft); a switch
-        (dict or JSON, see spec_jax.heads.switch) picks its arm per row and step."""
+        """The method's own Drafter for a base tree (any tree option without grafts, see
+        spec_jax.tree_spec: None or `default` for the method's own tree, a static or dynamic
+        tree, `plain`); its method (spec_jax.heads.methods) builds it. Grafted chains and
+        switches between arms are composed by `spec_jax.drafting.build`."""
         from spec_jax.heads.base import Drafter
-        from spec_jax.heads.graft import split_graft, with_graft
-        from spec_jax.heads.switch import as_switch, switch_drafter
 
-        switch = as_switch(tree)
-        if switch is not None:
-            return switch_drafter(self._drafter, switch)
-        tree, graft_n = split_graft(tree)
-        d = Drafter() if tree == "plain" else self._drafter(tree)
-        return with_graft(d, graft_n)
-
-    def _drafter(self, tree):
-        hp = dict(self.hparams)
-        t = parse_tree(tree)
-        if self.method == "medusa":
-            from spec_jax.heads.medusa import MedusaDrafter
-
-            kw = {"num_heads": hp["num_heads"]}
-            if isinstance(t, StaticTree):
-                kw["tree"] = t
-            elif isinstance(t, dict):
-                kw["dynamic"] = (t.get("top_k", 8), t.get("depth", hp["num_heads"]),
-                                 t.get("total_tokens", 32))
-            else:  # the default tree, cut to the number of heads
-                from spec_jax.tree import MEDUSA_DEFAULT
-
-                kw["tree"] = StaticTree.from_paths(
-                    [p for p in MEDUSA_DEFAULT if len(p) <= hp["num_heads"]])
-            return MedusaDrafter(**kw)
-        dyn = {k: hp[k] for k in ("top_k", "depth", "total_tokens") if k in hp}
-        if self.method == "mtp":
-            dyn = {"top_k": 1, "depth": hp.get("depth", 3), "total_tokens": hp.get("depth", 3) + 1}
-        static = None
-        if isinstance(t, StaticTree):
-            if t.paths == StaticTree.chain(t.max_depth).paths:  # a chain: the top-1 dynamic tree
-                dyn = {"top_k": 1, "depth": t.max_depth, "total_tokens": t.max_depth + 1}
-            else:
-                static = t
-        elif isinstance(t, dict):
-            dyn.update(t)
-        if dyn["total_tokens"] <= 1:  # calibration found that speculation does not pay here
-            from spec_jax.heads.base import Drafter
-
+        spec = parse(tree)
+        if isinstance(spec.base, Switch) or spec.ngram or spec.ds is not None or spec.ranked:
+            raise SpecJaxError(f"heads draft base trees: compose {str(spec)!r} with "
+                               "spec_jax.drafting.build(target, heads, tree)")
+        if isinstance(spec.base, Plain):
             return Drafter()
-        check_dynamic(dyn["top_k"], dyn["depth"], dyn["total_tokens"])
-        if self.method == "eagle":
-            from spec_jax.heads.eagle import EagleDrafter, features_of
+        return method_of(self.method).drafter(dict(self.hparams), _base_tree(spec.base))
 
-            d = EagleDrafter(num_layers=hp.get("num_layers", 1), features=features_of(hp), **dyn)
-        elif self.method == "eagle3":
-            from spec_jax.heads.eagle3 import Eagle3Drafter
 
-            d = Eagle3Drafter(fused_layers=tuple(hp["fused_layers"]), **dyn)
-        else:
-            from spec_jax.heads.mtp import MtpDrafter
-
-            d = MtpDrafter(num_modules=hp.get("num_modules", 1), **dyn)
-        return d if static is None else d.for_tree(static)
+def _base_tree(base):
+    """A tree_spec base as a method's drafter factory takes it (`Method.drafter`): a StaticTree,
+    a dict of dynamic-tree settings, or None for the method's own tree (`default`, `auto`,
+    `dynamic` without settings)."""
+    if isinstance(base, Static):
+        return base.tree
+    if isinstance(base, Dynamic):
+        return base.settings or None
+    return None
 
 
 # Head matrices whose products go through `pallas_kernels.cpu_gemm.matmul` / `dot_f32`.
@@ -160,52 +110,26 @@ PACKABLE = ("fc_w", "wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head
 
 
 def init_draft(target, method: str, seed: int = 0, scale: float = 0.02, **hparams) -> DraftHeads:
-    if method not in METHODS:
-        raise SpecJaxError(f"unknown draft method {method!r}: choose one of {', '.join(METHODS)}")
-    hp = {**DEFAULT_HPARAMS[method], **hparams}
-    if method == "eagle":
-        from spec_jax.heads.eagle import check_features
-
-        check_features(hp["features"])
+    m = method_of(method)
+    hp = {**m.defaults, **hparams}
+    m.check(hp)
     d2t = hp.pop("d2t", None)  # draft vocabulary (target ids); kept in params, not hparams
-    key = jax.random.PRNGKey(seed)
     cfg = target.cfg
-    if method == "eagle":
-        from spec_jax.heads.eagle import init_params
-
-        params = init_params(cfg, key, scale, num_layers=hp["num_layers"])
-    elif method == "eagle3":
-        from spec_jax.heads.eagle3 import init_params
-
-        hp["draft_vocab"] = min(hp["draft_vocab"], cfg.vocab_size)
-        hp["fused_layers"] = list(cfg.eagle3_layers)
-        params = init_params(cfg, key, scale, draft_vocab=hp["draft_vocab"], d2t=d2t)
-    elif method == "medusa":
-        from spec_jax.heads.medusa import init_params
-
-        params = init_params(cfg, key, scale, num_heads=hp["num_heads"])
-    else:
-        from spec_jax.heads.mtp import init_params
-
-        params = init_params(cfg, key, scale, num_modules=hp["num_modules"])
-    if method != "eagle3" and d2t is not None:  # a draft vocabulary over the target's LM head
+    params, hp = m.init_params(cfg, jax.random.PRNGKey(seed), scale, hp, d2t)
+    if not m.own_vocab and d2t is not None:  # a draft vocabulary over the target's LM head
         from spec_jax.heads.vocab import vocab_maps
 
         hp["draft_vocab"] = len(d2t)
         params.update(vocab_maps(d2t, cfg.vocab_size))
-    if method == "medusa" and hp.get("own_lm_heads"):
-        from spec_jax.heads.medusa import add_lm_heads
-
-        params = add_lm_heads(params, target.params, cfg)
-    return DraftHeads(method=method, params=params, hparams=hp, target_info=target_identity(target),
+    params, hp = m.grow(params, hp, target, hp, seed)  # what the hparams ask beyond fresh heads
+    return DraftHeads(method=method, params=params, hparams=hp, target_info=target.identity(),
                       tcfg=cfg)
 
 
 def save_draft(heads: DraftHeads, out_dir, force: bool = False) -> Path:
+    from pallas_kernels.cpu.gemm import unpack_all
     from spec_jax.heads.vocab import DERIVED
     from spec_jax.io import atomic_dir, save_params
-
-    from pallas_kernels.cpu_gemm import unpack_all
 
     out_dir = Path(out_dir)
     params = unpack_all({k: v for k, v in heads.params.items() if k not in DERIVED})
@@ -222,5 +146,8 @@ def load_draft(path) -> DraftHeads:
 
     path = Path(path)
     meta = read_meta(path, "draft", "train heads with `spec-jax train` or pass 'ngram'")
+    if meta["method"] not in METHODS:
+        raise SpecJaxError(f"{path} holds heads of an unknown draft method {meta['method']!r}: "
+                           f"spec_jax knows {', '.join(METHODS)}")
     return DraftHeads(method=meta["method"], params=load_params(path / "params"),
                       hparams=meta["hparams"], target_info=meta["target"])

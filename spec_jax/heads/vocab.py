@@ -14,8 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import cpu_gemm
-from spec_jax.models.llama import lm_head_weight, rms_norm
+from pallas_kernels.cpu import gemm as cpu_gemm
+from spec_jax.models.layers import dot_f32, rms_norm
+from spec_jax.models.llama import lm_head_weight
 
 DERIVED = ("lm_sub",)  # parameters rebuilt from the target, never saved or trained
 
@@ -57,7 +58,7 @@ def bind_target(params: dict, tparams, tcfg) -> dict:
 def shared_head_logits(dparams, tparams, tcfg, hidden):
     """The target's final norm + LM head over the draft vocabulary: [..., H] -> f32 [..., Vd]."""
     h = rms_norm(hidden, tparams["final_norm"], tcfg.rms_norm_eps)
-    return cpu_gemm.dot_f32(h, shared_head_weight(dparams, tparams, tcfg))
+    return dot_f32(h, shared_head_weight(dparams, tparams, tcfg))
 
 
 def to_target_ids(dparams, ids):

@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import cpu_gemm, tree_attention
-from pallas_kernels.cpu_gemm import matmul, rms_norm
+from pallas_kernels import tree_attention
+from pallas_kernels.cpu import gemm
 from spec_jax.cache import KVCache
 from spec_jax.config import ModelConfig
+from spec_jax.models.layers import PackedWeight, dot_f32, matmul, rms_norm, rotate_half
 
 
 class ForwardOut(NamedTuple):
@@ -83,7 +84,7 @@ def _rope_np_table(cfg: ModelConfig) -> np.ndarray:
 
 class Rope(NamedTuple):
     """A forward's RoPE angles: cos, sin [B, T, 1, D/2] (`apply_rope`) and cs [B, T, D], the two
-    side by side (what the packed CPU kernel's epilogue reads, `cpu_gemm.matmul`'s rope)."""
+    side by side (what the packed CPU kernel's epilogue reads, `layers.matmul`'s rope)."""
     cos: jax.Array
     sin: jax.Array
     cs: jax.Array
@@ -107,7 +108,7 @@ def rope_table(positions, cfg: ModelConfig) -> Rope:
 
 def apply_rope(x, rope):
     """x [B, T, N, D] rotated by `rope_table`'s (cos, sin) (Hugging Face's rotate-half layout)."""
-    return cpu_gemm.rotate_half(x, rope[0], rope[1])
+    return rotate_half(x, rope[0], rope[1])
 
 
 def init_params(cfg: ModelConfig, key, scale: float = 0.02):
@@ -139,9 +140,9 @@ def lm_head_weight(params):
 def lm_head(params, cfg: ModelConfig, hidden):
     """Final norm + LM head: hidden [..., H] -> float32 logits [..., V]."""
     w = lm_head_weight(params)
-    if isinstance(w, cpu_gemm.PackedWeight):  # the norm inside the kernel call
+    if isinstance(w, PackedWeight):  # the norm inside the kernel call
         return matmul(hidden.astype(jnp.float32), w, norm=(params["final_norm"], cfg.rms_norm_eps))
-    return cpu_gemm.dot_f32(rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps), w)
+    return dot_f32(rms_norm(hidden, params["final_norm"], cfg.rms_norm_eps), w)
 
 
 def embed(params, tokens):
@@ -155,7 +156,7 @@ def decoder_layer(lp, cfg: ModelConfig, x, rope, attend, input_norm=True, rows=N
     Returns (x_out, k, v) with k, v [B, T, KVH, D] after RoPE (what a cache stores).
     `input_norm=False` skips the attention-input RMSNorm (EAGLE's draft layer 0). `rows` [B]:
     only each row's first rows[b] tokens are real (a padded prompt); the packed CPU kernel's
-    products skip the others (see `cpu_gemm.matmul`)."""
+    products skip the others (see `layers.matmul`)."""
     b, t, _ = x.shape
     d = cfg.head_dim
     eps = cfg.rms_norm_eps
@@ -165,7 +166,7 @@ def decoder_layer(lp, cfg: ModelConfig, x, rope, attend, input_norm=True, rows=N
     # are the same JAX ops as ever.
     norm = (lp["attn_norm"], eps) if input_norm else None
     nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
-    packed = isinstance(lp.get("wqkv", lp.get("wq")), cpu_gemm.PackedWeight)
+    packed = isinstance(lp.get("wqkv", lp.get("wq")), PackedWeight)
     in_kernel = packed and "bq" not in lp and isinstance(rope, Rope)  # q, k rotated in the call
     rot = (lambda cols: (rope.cs, cols)) if in_kernel else (lambda cols: None)  # noqa: E731
     if "wqkv" in lp:  # side by side (`pack_layers`): one kernel call
@@ -261,7 +262,7 @@ def _fuse(lp):
     its storage: one kernel call each instead of three and two (each call costs a few
     microseconds of hand-off to the thread pool; SmolLM2 has 210 a token without fusing)."""
     for name, keys in FUSED_KEYS.items():
-        w = cpu_gemm.concat([lp.get(k) for k in keys])
+        w = gemm.concat([lp.get(k) for k in keys])
         if w is not None:
             lp = {**{k: v for k, v in lp.items() if k not in keys}, name: w}
     return lp
@@ -271,18 +272,18 @@ def pack_layers(params, exact: bool = True):
     """Unrolled layers with float32 matrices (and the LM head) in the CPU kernel's panel layout.
 
     Decoding and verification then read each weight once, contiguously, for 1-64 rows, and a
-    prefill runs through the same kernel in row blocks (see `pallas_kernels.cpu_gemm`). A tied
+    prefill runs through the same kernel in row blocks (see `pallas_kernels.cpu.gemm`). A tied
     LM head gets a packed copy of embed.T (+V*H floats). With `exact`, a matrix that is exactly
     d * q + m in blocks of 32 (a target converted from a GGUF Q4_1/Q8_0 file) is packed as uint8
     codes and scales: the same float32 weights, a fraction of the bytes to read (`pack_exact`).
     Matrices that read the same input are then joined (`_fuse`)."""
     params = unstack_layers(params)
     how = "exact" if exact else None
-    out = {**params, "layers": [_fuse(cpu_gemm.pack_matrices(lp, PACKED_KEYS, how))
+    out = {**params, "layers": [_fuse(gemm.pack_matrices(lp, PACKED_KEYS, how))
                                 for lp in params["layers"]]}
     lm = lm_head_weight(params)
-    if cpu_gemm.packable(lm):
-        out["lm_head"] = cpu_gemm.pack_exact(lm) if exact else cpu_gemm.pack(lm)
+    if gemm.packable(lm):
+        out["lm_head"] = gemm.pack_exact(lm) if exact else gemm.pack(lm)
     return out
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_jax.data import prompt_files, read_prompts
+from spec_jax.data import check_source, load_distill, load_sets, prompt_files, read_prompts  # noqa: F401 (re-exported)
 from spec_jax.errors import SpecJaxError
 
 MIXES = ("proportional", "balanced")
@@ -95,43 +95,14 @@ def self_prompts(target, first: int, n: int, seed: int = 0, batch_size: int = 16
     return [Prompt(SELF, str(first + j), SELF, t) for j, t in enumerate(texts)]
 
 
-def load_distill(path) -> tuple[list[np.ndarray], list[int], dict]:
-    path = Path(path)
-    if not (path / "manifest.json").is_file():
-        raise SpecJaxError(f"{path} has no manifest.json: create data with `spec-jax distill`")
-    manifest = json.loads((path / "manifest.json").read_text())
-    z = np.load(path / "tokens.npz")
-    n = manifest["samples"]
-    return [z[f"s{i}"] for i in range(n)], [int(x) for x in z["prompt_len"][:n]], manifest
-
-
-def check_source(path, manifest: dict, target) -> None:
-    """Refuse a set distilled from another target."""
-    if manifest.get("target_fingerprint") not in (None, target.fingerprint()):
-        raise SpecJaxError(f"{path} was distilled from another target: distill data for this one")
-
-
-def load_sets(paths, target=None) -> tuple[list[np.ndarray], list[int], list[dict]]:
-    """Several distilled sets concatenated in the given order (training holds out the end of the
-    last one); with `target`, each must have been distilled from it."""
-    seqs, plens, manifests = [], [], []
-    for path in ([paths] if isinstance(paths, (str, Path)) else paths):
-        s, p, m = load_distill(path)
-        if target is not None:
-            check_source(path, m, target)
-        seqs += s
-        plens += p
-        manifests.append(m)
-    return seqs, plens, manifests
-
-
 def distill(target, data_dir, out_dir, num_prompts=1000, max_new_tokens=160, batch_size=16,
             temperature=0.0, seed=0, mix="proportional", start=0, progress=True):
     """Generate (or extend) a self-distillation set of `num_prompts` samples: prompts `start`,
     `start + 1`, ... of the prompt order (see `order_prompts` for `mix`), so a fresh set can
     continue where an earlier one, perhaps no longer on disk, stopped. `data_dir="self"`: the
     target writes the prompts (`self_prompts`; `mix` is then "self")."""
-    from spec_jax.generate import _bucket, generate_batch
+    from spec_jax.engine import bucket
+    from spec_jax.generate import generate_batch
 
     out_dir = Path(out_dir)
     own = str(data_dir) == SELF
@@ -178,7 +149,7 @@ def distill(target, data_dir, out_dir, num_prompts=1000, max_new_tokens=160, bat
         ids = [target.encode(t) for t in texts]
         order = sorted(range(len(texts)), key=lambda j: len(ids[j]))
         answers = [None] * len(texts)
-        padded = lambda k: _bucket(len(ids[order[k]]), 64)  # the k-th shortest prompt, padded
+        padded = lambda k: bucket(len(ids[order[k]]), 64)  # the k-th shortest prompt, padded
         i = 0
         while i < len(order):
             rows = max(1, min(batch_size, budget // padded(i)))

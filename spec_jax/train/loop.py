@@ -13,7 +13,6 @@ accuracy of the heads on it (teacher-forced, no input noise) goes into the histo
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import time
 from pathlib import Path
@@ -24,7 +23,8 @@ import numpy as np
 import optax
 
 from spec_jax.errors import SpecJaxError
-from spec_jax.heads.eagle import features_of
+from spec_jax.features import feature_cache, token_arrays  # noqa: F401 (token_arrays: scripts)
+from spec_jax.heads.methods import METHODS, method_of
 from spec_jax.heads.registry import DraftHeads, init_draft, save_draft
 from spec_jax.heads.vocab import DERIVED, frequent_tokens
 from spec_jax.train import losses
@@ -70,89 +70,6 @@ def split_params(params):
     return train, frozen
 
 
-def token_arrays(seqs, plens, seq_len):
-    """Sequences truncated and zero-padded to seq_len: tokens [N, L] and mask [N, L], 1 from the
-    last prompt token on (the positions whose next token is a response token)."""
-    n = len(seqs)
-    toks = np.zeros((n, seq_len), np.int32)
-    mask = np.zeros((n, seq_len), np.float32)
-    for i, (s, p) in enumerate(zip(seqs, plens)):
-        s = s[:seq_len]
-        toks[i, :len(s)] = s
-        mask[i, max(p - 1, 0):len(s)] = 1.0
-    return toks, mask
-
-
-def feature_cache(target, seqs, plens, seq_len, aux_layers=(), batch=8, chunk="auto",
-                  progress=False):
-    """Run the frozen target once over every sequence (truncated to seq_len); `progress` shows a
-    bar over sequences (the pass takes ~1 s a sequence on a 2-core CPU).
-
-    Returns tokens [N, L], mask [N, L] (see token_arrays), feats [N, L, H], aux or None.
-    chunk: run each batch `chunk` tokens at a time against a KV cache (a chunked prefill) instead
-    of all at once. "auto" picks 64 // batch for targets in the packed CPU layout (as fast as one
-    pass now that the packed kernel takes any row count: 12.6-13.3 s for 32 sequences of 256
-    tokens either way, in less activation memory), and None (one pass) otherwise."""
-    toks, mask = token_arrays(seqs, plens, seq_len)
-    n = len(seqs)
-    cfg = target.cfg
-    if chunk == "auto":
-        chunk = max(64 // batch, 1) if target.layout == "packed" else None
-    fwd = jax.jit(functools.partial(_target_features, target=target, aux_layers=aux_layers,
-                                    chunk=chunk))
-    feats = np.zeros((n, seq_len, cfg.hidden_size), np.float32)
-    aux = np.zeros((n, seq_len, cfg.hidden_size * len(aux_layers)), np.float32) if aux_layers else None
-    # batches of similar length, each cut to its longest sequence (rounded up to 64 tokens: few
-    # shapes to compile); causal attention makes a position's features independent of the cut
-    lengths = np.minimum([len(x) for x in seqs], seq_len)
-    order = np.argsort(lengths, kind="stable")
-    from tqdm import tqdm
-    bar = tqdm(total=n, disable=not progress, desc="target features", unit="seq")
-    for i in range(0, n, batch):
-        idx = order[i:i + batch]
-        cut = min(seq_len, -(-int(lengths[idx].max()) // 64) * 64)
-        part = np.pad(toks[idx, :cut], ((0, batch - len(idx)), (0, 0)))
-        hidden, aux_hidden = fwd(target.params, jnp.asarray(part))
-        feats[idx, :cut] = np.asarray(hidden[:len(idx)], np.float32)
-        if aux is not None:
-            aux[idx, :cut] = np.asarray(aux_hidden[:len(idx)], np.float32)
-        bar.update(len(idx))
-    bar.close()
-    return toks, mask, feats, aux
-
-
-def _target_features(params, tokens, *, target, aux_layers, chunk):
-    """tokens [B, L] -> (hidden [B, L, H], aux [B, L, H * len(aux_layers)] or None)."""
-    from spec_jax.cache import cache_for, commit
-    from spec_jax.models.llama import causal_mask, forward
-
-    cfg = target.cfg
-    b, length = tokens.shape
-    if chunk is None or chunk >= length:
-        out = forward(params, cfg, tokens, jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32),
-                      tokens.shape), cache_for(cfg, b, 1), causal_mask(b, length),
-                      aux_layers=aux_layers, return_logits=False)
-        return out.hidden, out.aux_hidden
-    steps = -(-length // chunk)
-    tokens = jnp.pad(tokens, ((0, 0), (0, steps * chunk - length)))
-    arange = jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
-
-    def body(cache, i):
-        pos = i * chunk + arange
-        out = forward(params, cfg, jax.lax.dynamic_slice_in_dim(tokens, i * chunk, chunk, axis=1),
-                      pos, cache, causal_mask(b, chunk), aux_layers=aux_layers,
-                      return_logits=False, attn_impl="auto")
-        # commit after every layer's cache read (see step.py), so the cache is updated in place
-        k, v, hidden, aux = jax.lax.optimization_barrier(
-            (out.k_new, out.v_new, out.hidden, out.aux_hidden))
-        cache = commit(cache, k, v, pos, arange, jnp.full((b,), chunk, jnp.int32))
-        return cache, (hidden, aux)
-
-    _, (hidden, aux) = jax.lax.scan(body, target.new_cache(b, steps * chunk), jnp.arange(steps))
-    join = lambda x: None if x is None else jnp.moveaxis(x, 0, 1).reshape(b, steps * chunk, -1)[:, :length]
-    return join(hidden), join(aux)
-
-
 def batch_indices(n: int, batch: int, step: int, seed: int) -> np.ndarray:
     """Indices of the batch at `step`: epochs are seeded permutations (deterministic, resumable)."""
     per_epoch = max(n // batch, 1)
@@ -161,33 +78,23 @@ def batch_indices(n: int, batch: int, step: int, seed: int) -> np.ndarray:
     return perm[k * batch:(k + 1) * batch]
 
 
-def unrolled_steps(heads: DraftHeads, cfg: TrainConfig) -> int:
-    """Draft steps a feature drafter is unrolled for in training (EAGLE, EAGLE-3, MTP)."""
-    if heads.method == "eagle":
-        return cfg.eagle_ttt_steps
-    if heads.method == "eagle3":
-        return cfg.ttt_steps
-    return heads.hparams.get("depth", 3)
-
-
 def make_loss(heads: DraftHeads, tcfg, cfg: TrainConfig):
-    method = heads.method
+    """loss(dparams, tparams, batch, key) -> (loss, metrics) for these heads under `cfg`: a feature
+    drafter's unrolled loss with its method's settings (`Method.unroll`), or the per-head
+    cross-entropy of heads that read every depth off one feature (`Method.head_logits`)."""
+    method = method_of(heads.method)
     if cfg.labels not in ("hard", "soft"):
         raise SpecJaxError(f"labels={cfg.labels!r}: use 'hard' or 'soft'")
-    if method == "medusa":
+    if method.unroll is None:
         if cfg.labels == "soft":
-            raise SpecJaxError("soft labels are for feature drafters (eagle, eagle3, mtp); "
-                               "train Medusa with labels='hard'")
-        n = heads.hparams["num_heads"]
-        return lambda dp, tp, batch, key: losses.medusa_loss(dp, tp, tcfg, batch, n, cfg.decay)
+            feature = ", ".join(m.name for m in METHODS.values() if m.unroll is not None)
+            raise SpecJaxError(f"soft labels are for feature drafters ({feature}); "
+                               f"train {method.title} with labels='hard'")
+        n = method.profile_depth(heads.hparams)
+        return lambda dp, tp, batch, key: losses.heads_loss(method.head_logits, dp, tp, tcfg, batch,
+                                                            n, cfg.decay)
     drafter = heads.drafter()
-    steps = unrolled_steps(heads, cfg)
-    if method == "eagle":
-        kw = dict(steps=steps, noise=cfg.noise, feat_loss_weight=1.0,
-                  ce_weight=cfg.eagle_ce_weight, decay=cfg.decay)
-    else:  # eagle3 and mtp: unrolled, cross-entropy only
-        kw = dict(steps=steps, noise=0.0, feat_loss_weight=0.0, ce_weight=1.0,
-                  decay=cfg.decay if method == "eagle3" else 1.0)
+    kw = method.unroll(heads.hparams, cfg)
     return lambda dp, tp, batch, key: losses.feature_unrolled(drafter, dp, tp, tcfg, batch, key=key,
                                                               soft=cfg.labels == "soft", **kw)
 
@@ -208,29 +115,13 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
                                "of the method being trained")
         init.check_target(target)
         heads = DraftHeads(init.method, dict(init.params), dict(init.hparams), init.target_info)
-        layers = dict(cfg.hparams).get("num_layers", 1)
-        have = features_of(heads.hparams)
-        want = dict(cfg.hparams).get("features", have)
-        if cfg.method == "eagle" and want != have:
-            raise SpecJaxError(f"--init heads read {have}-norm features, not {want}-norm: train a "
-                               f"fresh head for {want}")
-        if cfg.method == "eagle" and layers > heads.hparams.get("num_layers", 1):
-            from spec_jax.heads.eagle import add_layers
-
-            heads.params = add_layers(heads.params, target.cfg, layers,
-                                      jax.random.PRNGKey(cfg.seed))
-            heads.hparams["num_layers"] = layers
-        if cfg.method == "medusa" and dict(cfg.hparams).get("own_lm_heads") and \
-                "lm_heads" not in heads.params:
-            from spec_jax.heads.medusa import add_lm_heads
-
-            heads.params = add_lm_heads(heads.params, target.params, target.cfg)
-            heads.hparams["own_lm_heads"] = True
+        heads.params, heads.hparams = method_of(cfg.method).grow(
+            heads.params, heads.hparams, target, dict(cfg.hparams), cfg.seed)
     else:
         extra = dict(cfg.hparams)
         v = target.cfg.vocab_size
         size = extra.get("draft_vocab", cfg.draft_vocab) or v
-        if cfg.method == "eagle3" or size < v:  # EAGLE-3's own LM head always has a draft vocabulary
+        if method_of(cfg.method).own_vocab or size < v:  # an own LM head: always a draft vocabulary
             vocab = frequent_tokens(data["tokens"], data["mask"], min(size, v), v)
             extra.update(draft_vocab=len(vocab), d2t=vocab)
         heads = init_draft(target, cfg.method, seed=cfg.seed, **extra)
@@ -320,10 +211,7 @@ def train(target, data: dict, cfg: TrainConfig, out_dir=None, ckpt_dir=None, res
     heads.params = {**trainable, **frozen}
     run = {"steps": cfg.steps, "batch_size": cfg.batch_size, "seq_len": cfg.seq_len, "lr": cfg.lr,
            "seed": cfg.seed, "labels": cfg.labels, "wall_seconds": round(time.time() - t0, 1)}
-    if heads.method in ("eagle", "eagle3"):
-        run["ttt_steps"] = unrolled_steps(heads, cfg)
-    if heads.method == "eagle":
-        run["ce_weight"] = cfg.eagle_ce_weight
+    run.update(method_of(heads.method).train_record(heads.hparams, cfg))
     if init is not None:  # keep the record of the runs it was fine-tuned from
         run["init"] = init.hparams.get("training")
     heads.hparams["training"] = run
@@ -336,23 +224,19 @@ def head_hparams(method: str, layers: int = 1, features: str | None = None,
                  own_lm_heads: bool = False) -> tuple:
     """TrainConfig.hparams from the CLI's options: an EAGLE head's `layers` decoder layers and
     `features` "pre" or "post" (None: an --init head's own, "post" for a fresh one); Medusa heads
-    with LM heads of their own."""
-    if method == "eagle":
-        return (("num_layers", layers),) + ((("features", features),) if features else ())
-    if method == "medusa" and own_lm_heads:
-        return (("own_lm_heads", True),)
-    return ()
+    with LM heads of their own (`Method.flag_hparams`)."""
+    return method_of(method).flag_hparams(layers, features, own_lm_heads)
 
 
 def train_cli(a):
     """`spec-jax train`: distilled data -> feature cache -> training -> heads in --out."""
     import spec_jax
-    from spec_jax.train.distill import load_sets
+    from spec_jax.data import load_sets
 
-    wrong = [flag for flag, used, method in (("--own-lm-heads", a.own_lm_heads, "medusa"),
-                                             ("--layers", a.layers != 1, "eagle"),
-                                             ("--eagle-features", a.eagle_features, "eagle"))
-             if used and a.method != method]
+    method = method_of(a.method)
+    wrong = [flag for flag, used in (("--own-lm-heads", a.own_lm_heads), ("--layers", a.layers != 1),
+                                     ("--eagle-features", a.eagle_features))
+             if used and flag not in method.flags]
     if wrong:
         raise SpecJaxError(f"{', '.join(wrong)} {'does' if len(wrong) == 1 else 'do'} not apply to "
                            f"--method {a.method} (--own-lm-heads is for medusa, --layers and "
@@ -362,7 +246,7 @@ def train_cli(a):
     if out.exists() and (out / "spec_jax.json").exists() and not (a.resume or a.force):
         raise SpecJaxError(f"{out} already holds heads: pass --force to retrain or --resume")
     seqs, plens, manifest = load_sets(a.data, target)
-    aux_layers = target.cfg.eagle3_layers if a.method == "eagle3" else ()
+    aux_layers = method.aux_layers(target.cfg)
     t0 = time.time()
     toks, mask, feats, aux = feature_cache(target, seqs, plens, a.seq_len, aux_layers, progress=True)
     print(f"feature cache: {len(toks)} sequences x {a.seq_len} tokens in {time.time() - t0:.1f}s")

@@ -16,15 +16,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from spec_jax.features import shift as _shift
+from spec_jax.features import unrolled_features
 from spec_jax.heads.vocab import shared_head_logits, to_draft_labels
-
-
-def _shift(x, i, fill=0):
-    """x[:, j + i] at position j (padded with `fill` past the end)."""
-    if i == 0:
-        return x
-    pad = jnp.full((x.shape[0], i) + x.shape[2:], fill, x.dtype)
-    return jnp.concatenate([x[:, i:], pad], axis=1)
 
 
 def _top1(logits, d_labels, in_vocab, mask):
@@ -51,53 +45,6 @@ def _soft_ce(logits, target_logits, labels, mask, dparams):
     ce = optax.softmax_cross_entropy(logits, p)
     d_labels, in_vocab = to_draft_labels(dparams, labels, mask)
     return (ce * mask).sum() / jnp.maximum(mask.sum(), 1.0), _top1(logits, d_labels, in_vocab, mask)
-
-
-def unrolled_features(drafter, dparams, tparams, tcfg, toks, t_feat, steps: int):
-    """Draft output features of `steps` unrolled draft steps along the true tokens.
-
-    toks [B, L] token ids, t_feat [B, L, H'] the draft's input features from the target.
-    Returns a list of `steps` arrays [B, L, H]: step i at position j predicts the token j + i + 2.
-    Used by the training losses and by tree sizing's acceptance profile."""
-    b, l = toks.shape
-    kvh, hd = tcfg.num_kv_heads, tcfg.head_dim
-    pos = jnp.broadcast_to(jnp.arange(l, dtype=jnp.int32), (b, l))
-    nl, dt = drafter.num_layers, jnp.dtype(tcfg.dtype)
-    empty_k = (jnp.zeros((b, 1, kvh, hd), dt),) * nl
-    no_valid, zero_len = jnp.zeros((b, 1), bool), jnp.zeros((b,), jnp.int32)
-    causal = jnp.broadcast_to(jnp.tril(jnp.ones((l, l), bool)), (b, l, l))
-    eye = jnp.broadcast_to(jnp.eye(l, dtype=bool), (b, l, l))
-
-    def cell(module, feat, tokens, ex_k, ex_v, ex_mask, own):
-        return drafter.cell(dparams, tparams, tcfg, module, feat, tokens, pos, empty_k, empty_k,
-                            no_valid, zero_len, ex_k, ex_v, ex_mask, own)
-
-    nomask = jnp.zeros((b, l, 0), bool)
-    nokv = (jnp.zeros((b, 0, kvh, hd), dt),) * nl
-    # teacher-forced context per module (module m's keys over the real pairs)
-    ctx = {}
-    out1 = None
-    for m in sorted({i % drafter.num_modules for i in range(steps)}):
-        out, k, v = cell(m, t_feat, _shift(toks, 1), nokv, nokv, nomask, causal)
-        ctx[m] = (k, v)
-        if m == 0:
-            out1 = out
-    feat, diag_k, diag_v, feats = out1, [], [], []
-    for i in range(steps):
-        m = i % drafter.num_modules
-        if i > 0:
-            ck, cv = ctx[m]
-            # per layer: the teacher-forced context, then each earlier unrolled step's keys
-            ex_k = tuple(jnp.concatenate([ck[j]] + [d[j] for d in diag_k], axis=1) for j in range(nl))
-            ex_v = tuple(jnp.concatenate([cv[j]] + [d[j] for d in diag_v], axis=1) for j in range(nl))
-            ex_mask = jnp.concatenate([causal] + [eye] * len(diag_k), axis=2)
-            feat, k, v = cell(m, feat, _shift(toks, i + 1), ex_k, ex_v, ex_mask, eye)
-        else:
-            k, v = ctx[0]
-        diag_k.append(k)
-        diag_v.append(v)
-        feats.append(feat)
-    return feats
 
 
 def feature_unrolled(drafter, dparams, tparams, tcfg, batch, steps: int, key, noise: float,
@@ -134,13 +81,13 @@ def feature_unrolled(drafter, dparams, tparams, tcfg, batch, steps: int, key, no
     return total, metrics
 
 
-def medusa_loss(dparams, tparams, tcfg, batch, num_heads: int, decay: float):
-    """Cross-entropy per Medusa head (head k at position j predicts the token j + k + 2)."""
-    from spec_jax.heads.medusa import medusa_logits
-
+def heads_loss(head_logits, dparams, tparams, tcfg, batch, num_heads: int, decay: float):
+    """Cross-entropy per head of heads that read every depth off the target's feature at once
+    (Medusa: head k at position j predicts the token j + k + 2). `head_logits(dparams, tparams,
+    tcfg, feats [B, L, H])` -> [B, L, num_heads, V] (spec_jax.heads.method.Method.head_logits)."""
     toks, feats, mask = batch["tokens"], batch["feats"], batch["mask"].astype(jnp.float32)
-    b, l, h = feats.shape
-    logits = medusa_logits(dparams, tparams, tcfg, feats.reshape(b * l, h)).reshape(b, l, num_heads, -1)
+    l = feats.shape[1]
+    logits = head_logits(dparams, tparams, tcfg, feats)
     total, metrics = 0.0, {}
     for k in range(num_heads):
         labels = _shift(toks, k + 2)

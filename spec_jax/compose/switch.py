@@ -13,7 +13,7 @@ of the same 8 tokens (docs/benchmarks.md).
 The choice depends on the context only, never on random draws, so verification stays exact; only
 the chosen arm is drafted when all rows agree (always at batch 1).
 
-Written as a dict (the sizing's choice, cached as JSON):
+Given as a `spec_jax.tree_spec.Switch`, written as a dict (the sizing's choice, cached as JSON):
   {"switch": [{"base": PATHS, "ngram": G}, ...], "policy": [ARM for match length 0, 1, ..., 8]}
 where PATHS is a static tree's paths ([] for the root alone).
 """
@@ -24,49 +24,21 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from spec_jax.errors import SpecJaxError
+from spec_jax.compose.graft import GraftDrafter, graft
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
-from spec_jax.heads.graft import GraftDrafter, graft
 from spec_jax.heads.ngram import NgramDrafter
-from spec_jax.tree import StaticTree, Tree, tree_object
+from spec_jax.tree import StaticTree, Tree
+from spec_jax.tree_spec import Switch
 
 
-FIX = ('write {"switch": [{"base": [[0], [1], [0, 0]], "ngram": 0}, {"base": [], "ngram": 3}], '
-       '"policy": [0, 0, 1]}: arms of equal tree tokens, an arm per n-gram match length 0..8')
-
-
-def as_switch(tree) -> dict | None:
-    """The switch `tree` spells (a dict, or its JSON text as the CLI's --tree passes it), or None."""
-    tree = tree_object(tree)
-    return tree if isinstance(tree, dict) and "switch" in tree else None
-
-
-def check_switch(spec: dict) -> None:
-    """Raise SpecJaxError unless `spec` is a well-formed switch (see the module docstring)."""
-    arms, policy, fix = spec.get("switch"), spec.get("policy"), FIX
-    if not isinstance(arms, list) or not arms or not isinstance(policy, list) or not policy:
-        raise SpecJaxError(f"a switch tree needs a list of arms and a policy: {fix}")
-    sizes = set()
-    for a in arms:
-        if not isinstance(a, dict) or "base" not in a or int(a.get("ngram", 0)) < 0:
-            raise SpecJaxError(f"bad switch arm {a!r}: {fix}")
-        sizes.add(len(a["base"]) + 1 + int(a.get("ngram", 0)))
-    if len(sizes) != 1:
-        raise SpecJaxError(f"switch arms differ in tree tokens ({sorted(sizes)}): {fix}")
-    if len(policy) > NgramDrafter.max_ngram + 1 or any(not 0 <= int(p) < len(arms) for p in policy):
-        raise SpecJaxError(f"bad switch policy {policy!r}: {fix}")
-
-
-def switch_drafter(heads_drafter, spec: dict) -> "SwitchDrafter":
-    """The SwitchDrafter for `spec`; `heads_drafter(tree)` builds the heads' drafter for a static
-    tree (the union of the arms' trees: its state serves every arm)."""
-    check_switch(spec)
-    bases = [[tuple(p) for p in a["base"]] for a in spec["switch"]]
-    union = sorted({p for b in bases for p in b}, key=lambda p: (len(p), p))
-    state = heads_drafter([list(p) for p in union]) if union else Drafter()
-    arms = tuple((state.proposing(StaticTree.from_paths(b)) if b else Drafter(),
-                  int(a.get("ngram", 0))) for a, b in zip(spec["switch"], bases))
-    policy = [int(p) for p in spec["policy"]]
+def switch_drafter(heads_drafter, spec: Switch) -> "SwitchDrafter":
+    """The SwitchDrafter for `spec`; `heads_drafter(tree)` builds the heads' drafter for a
+    StaticTree (the union of the arms' trees: its state serves every arm)."""
+    union = sorted({p for a in spec.arms for p in a.paths}, key=lambda p: (len(p), p))
+    state = heads_drafter(StaticTree.from_paths(union)) if union else Drafter()
+    arms = tuple((state.proposing(StaticTree.from_paths(a.paths)) if a.paths else Drafter(), a.ngram)
+                 for a in spec.arms)
+    policy = list(spec.policy)
     policy += policy[-1:] * (NgramDrafter.max_ngram + 1 - len(policy))
     return SwitchDrafter(state_drafter=state, arms=arms, policy=tuple(policy))
 

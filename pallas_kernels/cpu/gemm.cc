@@ -8,7 +8,7 @@
 // and whichever rows share the call, so a row's result is bit-identical (decode and verify agree).
 // The panel width P is the build's (`spec_jax_gemm_panel()`): 32 with AVX-512, 16 without.
 //
-// Work is split over chunks of panels, shared with XLA's intra-op pool (cpu_pool.h). A call may
+// Work is split over chunks of panels, shared with XLA's intra-op pool (pool.h). A call may
 // also transform x first (RMSNorm or SwiGLU: `prologue`) and y after (RoPE or a residual add:
 // `epilogue`), row by row, so those are no XLA ops of their own.
 #include <algorithm>
@@ -22,7 +22,7 @@
 
 #include <immintrin.h>
 
-#include "cpu_pool.h"
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -76,7 +76,7 @@ inline vec load_w(const uint16_t* w) {
 // Or uint8 codes q with a float16 scale d and offset m per column and block of kBlock rows of K:
 // w = d * q + m. That is how GGUF's Q4_1 and Q8_0 blocks dequantize (a 16-bit d times an 8-bit q
 // is exact in float32, so the one rounding is the add's), so the codes hold exactly the float32
-// weights a target converted from such a file has (`cpu_gemm.pack_exact`) while streaming 1.125
+// weights a target converted from such a file has (`gemm.pack_exact`) while streaming 1.125
 // bytes per weight instead of 4, or 0.625 where every code fits 4 bits (Q4_1). The kernel sums
 // x * q per block and applies d and m * sum(x) once per block (`tile`), so its products match the
 // float32 kernel's to rounding, not to the bit. A 4-bit panel row is kPanel / 2 bytes, byte j
@@ -552,80 +552,35 @@ ffi::Error PackedGemmAffineRows(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x,
 // The panel width P that `PackedGemm` expects (weights packed as [N / P, K, P]).
 extern "C" int spec_jax_gemm_panel() { return kPanel; }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemm, PackedGemm<ffi::F32>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("prologue")
-                                  .Attr<float>("eps")
-                                  .Attr<int32_t>("epilogue")
-                                  .Attr<int32_t>("rotate"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmBf16, PackedGemm<ffi::BF16>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("prologue")
-                                  .Attr<float>("eps")
-                                  .Attr<int32_t>("epilogue")
-                                  .Attr<int32_t>("rotate"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmAffine, PackedGemmAffine,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("prologue")
-                                  .Attr<float>("eps")
-                                  .Attr<int32_t>("epilogue")
-                                  .Attr<int32_t>("rotate"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmRows, PackedGemmRows<ffi::F32>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("prologue")
-                                  .Attr<float>("eps")
-                                  .Attr<int32_t>("epilogue")
-                                  .Attr<int32_t>("rotate"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmBf16Rows, PackedGemmRows<ffi::BF16>,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::BF16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("prologue")
-                                  .Attr<float>("eps")
-                                  .Attr<int32_t>("epilogue")
-                                  .Attr<int32_t>("rotate"));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecJaxPackedGemmAffineRows, PackedGemmAffineRows,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U8>>()
-                                  .Arg<ffi::Buffer<ffi::F16>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int32_t>("prologue")
-                                  .Attr<float>("eps")
-                                  .Attr<int32_t>("epilogue")
-                                  .Attr<int32_t>("rotate"));
+// One handler symbol per weight storage, plain and with per-row counts. Every one takes x, g
+// (the norm's weights) and aux (cos/sin or the residual), all float32, then `operands` (the
+// weight panels, a uint8 storage's float16 scales, a `Rows` variant's int32 counts), returns y
+// and reads the prologue / epilogue attributes.
+#define SPEC_JAX_ARG(type) .Arg<ffi::Buffer<ffi::type>>()
+#define SPEC_JAX_GEMM_HANDLER(symbol, impl, operands)                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(symbol, impl,                            \
+                                ffi::Ffi::Bind()                         \
+                                    .Ctx<ffi::ThreadPool>()              \
+                                    SPEC_JAX_ARG(F32)                    \
+                                    SPEC_JAX_ARG(F32)                    \
+                                    SPEC_JAX_ARG(F32)                    \
+                                    operands                             \
+                                    .Ret<ffi::Buffer<ffi::F32>>()        \
+                                    .Attr<int32_t>("prologue")           \
+                                    .Attr<float>("eps")                  \
+                                    .Attr<int32_t>("epilogue")           \
+                                    .Attr<int32_t>("rotate"))
+
+SPEC_JAX_GEMM_HANDLER(SpecJaxPackedGemm, PackedGemm<ffi::F32>, SPEC_JAX_ARG(F32));
+SPEC_JAX_GEMM_HANDLER(SpecJaxPackedGemmBf16, PackedGemm<ffi::BF16>, SPEC_JAX_ARG(BF16));
+SPEC_JAX_GEMM_HANDLER(SpecJaxPackedGemmAffine, PackedGemmAffine,
+                      SPEC_JAX_ARG(U8) SPEC_JAX_ARG(F16));
+SPEC_JAX_GEMM_HANDLER(SpecJaxPackedGemmRows, PackedGemmRows<ffi::F32>,
+                      SPEC_JAX_ARG(F32) SPEC_JAX_ARG(S32));
+SPEC_JAX_GEMM_HANDLER(SpecJaxPackedGemmBf16Rows, PackedGemmRows<ffi::BF16>,
+                      SPEC_JAX_ARG(BF16) SPEC_JAX_ARG(S32));
+SPEC_JAX_GEMM_HANDLER(SpecJaxPackedGemmAffineRows, PackedGemmAffineRows,
+                      SPEC_JAX_ARG(U8) SPEC_JAX_ARG(F16) SPEC_JAX_ARG(S32));
+
+#undef SPEC_JAX_GEMM_HANDLER
+#undef SPEC_JAX_ARG

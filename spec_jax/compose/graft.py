@@ -7,8 +7,8 @@ tree while its tokens match a node's child and branches off as new nodes where t
 so no token is tried twice under one parent. Chain slots that were not needed (and the whole chain
 when the context has no match) are dead nodes: scored, never reachable, so never accepted.
 
-Written `TREE+ngram:N` wherever a tree is given (e.g. `dynamic:8,5,32+ngram:4`, `auto+ngram:4`).
-A datastore chain (spec_jax.heads.datastore: what the target wrote after the same n tokens in a
+Written `TREE+ngram:N` wherever a tree is given (e.g. `dynamic:8,5,32+ngram:4`, `auto+ngram:4`;
+see spec_jax.tree_spec). A datastore chain (spec_jax.heads.datastore: what the target wrote after the same n tokens in a
 corpus of its own output) is grafted the same way: `TREE+ds:N`, or both, `TREE+ngram:8+ds:8`.
 
 Ranked grafts (`dynamic:8,5,32+ngram:24+ds:8+ranked`): instead of adding N tokens to the tree, the
@@ -23,83 +23,13 @@ datastore; the tree still has TOTAL tokens.
 from __future__ import annotations
 
 import dataclasses
-import re
 
 import jax.numpy as jnp
 
-from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter, PrefillContext, VerifyContext
 from spec_jax.heads.datastore import DatastoreChain
 from spec_jax.heads.ngram import NgramDrafter
 from spec_jax.tree import Tree, ancestor_mask, best_nodes_tree, children_table, merge_chain
-
-SUFFIX = "+ngram"
-_DS = re.compile(r"\+ds(?::(\w*))?")
-RANKED = "+ranked"
-
-
-def split_graft(tree):
-    """'TREE+ngram:N' or {"base": TREE, "ngram": N} (a sizing choice) -> (TREE or None, N);
-    any other tree -> (tree, 0)."""
-    if isinstance(tree, dict) and "ngram" in tree:
-        return tree["base"], int(tree["ngram"])
-    if not isinstance(tree, str) or SUFFIX not in tree:
-        return tree, 0
-    base, _, n = tree.partition(SUFFIX)
-    n = n.lstrip(":") or "4"
-    if not n.isdigit() or int(n) < 1:
-        raise SpecJaxError(f"cannot read {tree!r}: write TREE+ngram:N with N >= 1 n-gram tokens, "
-                           "e.g. dynamic:8,5,32+ngram:4")
-    return (base or None), int(n)
-
-
-def split_datastore(tree):
-    """'TREE+ds:N' (anywhere among the grafts) or a sizing choice {..., "ds": N} -> (TREE, N);
-    a tree that does not say -> (tree, None)."""
-    if isinstance(tree, dict) and "ds" in tree:
-        return {k: v for k, v in tree.items() if k != "ds"}, int(tree["ds"])
-    if not isinstance(tree, str):
-        return tree, None
-    found = _DS.findall(tree)
-    if not found:
-        return tree, None
-    n = found[-1] or "8"
-    if len(found) > 1 or not n.isdigit() or int(n) < 1:
-        raise SpecJaxError(f"cannot read {tree!r}: write TREE+ds:N once, with N >= 1 datastore "
-                           "tokens, e.g. dynamic:8,5,24+ngram:8+ds:8")
-    return (_DS.sub("", tree) or None), int(n)
-
-
-def split_ranked(tree):
-    """'TREE+ranked' -> (TREE, True); any other tree -> (tree, False)."""
-    if isinstance(tree, str) and tree.endswith(RANKED):
-        return tree[:-len(RANKED)], True
-    if isinstance(tree, str) and RANKED in tree:
-        raise SpecJaxError(f"cannot read {tree!r}: +ranked goes last, after the grafts, e.g. "
-                           "dynamic:8,5,32+ngram:24+ds:8+ranked")
-    return tree, False
-
-
-def ranked(drafter: Drafter, datastore) -> tuple[Drafter, dict]:
-    """`drafter` (a dynamic tree with grafts) with its grafts ranked among the tree's candidates,
-    and the chains' priors measured on `datastore` (draft params to merge under "datastore")."""
-    fix = "write a dynamic tree with its grafts, e.g. dynamic:8,5,32+ngram:24+ds:8+ranked"
-    if datastore is None:
-        raise SpecJaxError("+ranked measures its chains on a datastore of the target's output: pass "
-                           "datastore=spec_jax.load_datastore(DIR) (CLI: --datastore DIR)")
-    if not isinstance(drafter, GraftDrafter) or not hasattr(drafter.main, "propose_pool"):
-        raise SpecJaxError(f"+ranked ranks grafted chains among a dynamic tree's candidates: {fix}")
-    if getattr(drafter.main, "static_tree", None) is not None or \
-            getattr(drafter.main, "dynamic", True) is None:
-        raise SpecJaxError(f"+ranked needs a dynamic tree, not a static one: {fix}")
-    ds_depth = drafter.ds.depth if drafter.ds is not None else 1
-    return (dataclasses.replace(drafter, ranked=True),
-            datastore.priors(max(drafter.ngram.depth, 1), ds_depth, NgramDrafter.max_ngram))
-
-
-def uses_datastore(tree) -> bool:
-    """Whether `tree` grafts a datastore chain (so generate needs `datastore=`)."""
-    return bool(split_datastore(tree)[1])
 
 
 def with_graft(drafter: Drafter, n: int) -> Drafter:

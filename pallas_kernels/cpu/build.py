@@ -1,5 +1,5 @@
-"""Build and register spec_jax's CPU kernels (`cpu_gemm.cc`, `cpu_attention.cc`, `cpu_argmax.cc`:
-XLA FFI calls).
+"""Build and register spec_jax's CPU kernels (`gemm.cc`, `attention.cc`, `argmax.cc` beside this
+file: XLA FFI calls).
 
 The shared library is compiled from the sources with the system C++ compiler on first use
 (`-march=native`), cached under $SPEC_JAX_CACHE (default ~/.cache/spec_jax) by source, compiler
@@ -20,8 +20,8 @@ from pathlib import Path
 import jax
 
 _DIR = Path(__file__).parent
-SOURCES = (_DIR / "cpu_gemm.cc", _DIR / "cpu_attention.cc", _DIR / "cpu_argmax.cc")
-HEADERS = (_DIR / "cpu_pool.h",)
+SOURCES = (_DIR / "gemm.cc", _DIR / "attention.cc", _DIR / "argmax.cc")
+HEADERS = (_DIR / "pool.h",)
 # FFI target name -> the handler symbol exported by the library
 TARGETS = {"spec_jax_packed_gemm": "SpecJaxPackedGemm",
            "spec_jax_packed_gemm_bf16": "SpecJaxPackedGemmBf16",

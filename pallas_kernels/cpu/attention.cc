@@ -31,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#include "cpu_pool.h"
+#include "pool.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;

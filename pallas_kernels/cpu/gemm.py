@@ -1,4 +1,4 @@
-"""Packed-weight matrix products for small row counts on CPU (`cpu_gemm.cc`, an XLA FFI call).
+"""Packed-weight matrix products for small row counts on CPU (`gemm.cc`, an XLA FFI call).
 
 Decoding and tree verification multiply a few rows (B x T) by every weight matrix, so their speed
 is the speed of reading the weights. XLA:CPU reads them at ~24 GB/s for one row but 13-17 GB/s for
@@ -11,7 +11,8 @@ docs/benchmarks.md) with 32-column panels; 16-column panels and prefetching (the
 layout, `panel_width()`) lift 4 rows to ~30 GB/s.
 
 `pack(w [K, N]) -> PackedWeight(panels [N/P, K, P])` is a one-time layout change (see
-`spec_jax.models.llama.pack_layers`); `matmul(x [..., K], w)` takes either layout. Panels may be
+`spec_jax.models.llama.pack_layers`); `product(x [..., K], w)` multiplies by it, and the model
+code's front door `spec_jax.models.layers.matmul` takes either layout. Panels may be
 bfloat16 (`pack(w, jnp.bfloat16)`, what draft heads use: `spec_jax.heads.registry.PACKED_DTYPE`):
 half the bytes to stream, each weight widened exactly to float32 in registers, so the product is
 the float32 kernel's over the rounded weights. Cold-cache reads of a [576, 8192] matrix (a draft
@@ -34,7 +35,7 @@ against 19.9, where the arithmetic, not the stream, sets the time. At one row th
 arithmetic-bound too (a 4-bit panel streams no faster than a byte panel: the widening and
 conversion cost more per weight than the bytes do).
 
-A call may also transform x before the product and y after it (`matmul`'s norm, glu, rope and
+A call may also transform x before the product and y after it (`product`'s norm, glu, rope and
 residual: the kernel's prologue and epilogue): Llama's RMSNorm before the q/k/v, gate/up and
 LM-head products, SwiGLU before the down product, RoPE on the q and k columns of the q/k/v
 product, and the residual add after the o and down products (`spec_jax.models.llama
@@ -43,7 +44,7 @@ replace 9 of the 14 XLA fusions a layer had: SmolLM2's float32 forward spent 0.9
 fusions at 8 tokens and 0.34-0.36 at one token, 0.20-0.21 and 0.10-0.14 with both (fifty-third
 session, docs/benchmarks.md).
 
-The kernel is built with g++ on first use (`cpu_build`); without a compiler, `available()` is
+The kernel is built with g++ on first use (`build`); without a compiler, `available()` is
 False and callers keep XLA's dot: nothing is lost but the speed.
 """
 from __future__ import annotations
@@ -55,7 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import cpu_build
+from pallas_kernels.cpu import build
 
 DEFAULT_PANEL = 32  # where the kernels are not built (the layout is then only unpacked again)
 TARGETS = {jnp.dtype(jnp.float32): "spec_jax_packed_gemm",
@@ -205,32 +206,21 @@ ROWS_TARGETS = {jnp.dtype(jnp.float32): "spec_jax_packed_gemm_rows",
                 jnp.dtype(jnp.uint8): "spec_jax_packed_gemm_affine_rows"}
 
 
-def matmul(x, w, rows=None, norm=None, glu: bool = False, rope=None, residual=None):
-    """x [..., K] @ w [K, N] -> [..., N]; w a plain matrix or a PackedWeight.
+def fuses(x, w: PackedWeight, rows=None) -> bool:
+    """Whether the kernel applies a product's prologue and epilogue itself (`product`'s norm, glu,
+    rope and residual) for x @ w with these rows; elsewhere the caller applies them as JAX ops
+    (`prologue_reference`, `epilogue_reference`) around the plain product."""
+    return _kernel_takes(x, w) and (rows is None or w.panels.dtype in ROWS_TARGETS)
 
-    rows: None, or int32 [B] for x [B, T, K] (a padded prefill): the kernel for float32,
-    bfloat16 or code panels computes only each batch row's first rows[b] tokens, the rest of y
-    being zeros (elsewhere every row is computed: the results differ only in those rows). Not
-    differentiable.
-    norm: (g [K], eps as a Python float): the product of Llama's RMSNorm of x instead of x.
-    glu: x [..., 2K] = [a, b]: the product of silu(a) * b (SwiGLU) instead of x.
-    rope: (cs [..., D], cols): the first `cols` columns of the product rotated in heads of D
-      (Hugging Face's rotate-half RoPE; cs holds each row's cos then sin of D/2 frequencies).
-    residual: [..., N], added to the product.
-    With a PackedWeight the kernel does these itself (its prologue and epilogue), so they cost
-    no XLA op of their own; results match the ops' to float32 rounding, not to the bit, and
-    rows stay independent of each other. Otherwise they are the JAX ops
-    (`prologue_reference`, `epilogue_reference`)."""
-    if (norm is not None and glu) or (rope is not None and residual is not None):
-        raise ValueError("matmul takes one of norm and glu, and one of rope and residual")
+
+def product(x, w: PackedWeight, rows=None, norm=None, glu: bool = False, rope=None,
+            residual=None):
+    """x [..., K] @ w [K, N] for a PackedWeight: the FFI kernel for w's storage, XLA's dot on the
+    unpacked matrix where the kernel cannot take x. The arguments are those of the front door,
+    `spec_jax.models.layers.matmul` (which validates them); pass norm, glu, rope or residual only
+    where `fuses(x, w, rows)`."""
     pro = PROLOGUE_NORM if norm is not None else PROLOGUE_GLU if glu else 0
     epi = EPILOGUE_ROPE if rope is not None else EPILOGUE_RESIDUAL if residual is not None else 0
-    if (pro or epi) and not (isinstance(w, PackedWeight) and _kernel_takes(x, w)
-                             and (rows is None or w.panels.dtype in ROWS_TARGETS)):
-        y = matmul(prologue_reference(x, norm, glu), w, rows)
-        return epilogue_reference(y, rope, residual)
-    if not isinstance(w, PackedWeight):
-        return x @ w
     if pro or epi:
         g, eps = norm if norm is not None else (_NONE, 0.0)
         aux, cols = (rope if rope is not None else
@@ -246,11 +236,13 @@ def matmul(x, w, rows=None, norm=None, glu: bool = False, rope=None, residual=No
     return _packed_matmul(x, w.panels)
 
 
-PROLOGUE_NORM, PROLOGUE_GLU = 1, 2  # the kernel's `prologue` attribute (cpu_gemm.cc)
+PROLOGUE_NORM, PROLOGUE_GLU = 1, 2  # the kernel's `prologue` attribute (gemm.cc)
 EPILOGUE_ROPE, EPILOGUE_RESIDUAL = 1, 2  # its `epilogue` attribute
 _NONE = np.zeros((1,), np.float32)  # the kernel's g or aux operand where a call has none
 
 
+# The prologue's and epilogue's semantics as JAX ops. RMSNorm and rotate-half are defined here
+# once: the model code takes them from `spec_jax.models.layers`, which re-exports these.
 def rms_norm(x, w, eps):
     """Llama's RMSNorm over the last axis, in float32: x * rsqrt(mean(x^2) + eps) * w."""
     xf = x.astype(jnp.float32)
@@ -265,7 +257,7 @@ def rotate_half(x, cos, sin):
 
 
 def prologue_reference(x, norm=None, glu: bool = False):
-    """What `matmul`'s norm / glu apply to x, in JAX ops."""
+    """What `product`'s norm / glu apply to x, in JAX ops."""
     if norm is not None:
         return rms_norm(x, *norm)
     if glu:
@@ -275,7 +267,7 @@ def prologue_reference(x, norm=None, glu: bool = False):
 
 
 def epilogue_reference(y, rope=None, residual=None):
-    """What `matmul`'s rope / residual apply to its product y, in JAX ops."""
+    """What `product`'s rope / residual apply to its product y, in JAX ops."""
     if rope is not None:
         cs, cols = rope
         d = cs.shape[-1]
@@ -288,13 +280,6 @@ def epilogue_reference(y, rope=None, residual=None):
     return y
 
 
-def dot_f32(x, w):
-    """x [..., K] @ w [K, N] with float32 results (logits); w a plain matrix or a PackedWeight."""
-    if isinstance(w, PackedWeight):
-        return matmul(x.astype(jnp.float32), w)
-    return jnp.dot(x, w.astype(x.dtype), preferred_element_type=jnp.float32)
-
-
 def _kernel_takes(x, w: PackedWeight) -> bool:
     """Whether the FFI kernel computes x @ w (else XLA's dot on the unpacked matrix does)."""
     r = int(np.prod(x.shape[:-1], dtype=np.int64))
@@ -305,8 +290,8 @@ def _kernel_takes(x, w: PackedWeight) -> bool:
 def _kernel_product(x, w: PackedWeight, rows=None, spec=(0, 0.0, 0, 0), g=_NONE, aux=_NONE):
     """x [..., K] @ w through the FFI kernel for w's panel dtype, or XLA's dot on the unpacked
     matrix where the kernel cannot take it (x empty or not float32, kernel not built here).
-    `rows` as in `matmul`; `spec` (prologue, eps, epilogue, rotated columns) with the operands g
-    (the norm's weights) and aux (cos/sin or the residual) as `matmul`'s norm, glu, rope and
+    `rows` as in `product`; `spec` (prologue, eps, epilogue, rotated columns) with the operands g
+    (the norm's weights) and aux (cos/sin or the residual) as `product`'s norm, glu, rope and
     residual ask."""
     k, n = w.shape
     lead = x.shape[:-1]
@@ -385,10 +370,10 @@ def _affine_matmul_jvp(primals, tangents):
 def panel_width() -> int:
     """Columns per panel that the built kernel expects: 32 with AVX-512, 16 with AVX2 (one cache
     line per panel row, so every row tile streams its panel in one pass)."""
-    lib = cpu_build.library() if available() else None
+    lib = build.library() if available() else None
     return int(lib.spec_jax_gemm_panel()) if lib is not None else DEFAULT_PANEL
 
 
 def available() -> bool:
-    """True when the CPU kernels are built and registered (see `cpu_build`)."""
-    return cpu_build.available()
+    """True when the CPU kernels are built and registered (see `build`)."""
+    return build.available()

@@ -3,8 +3,9 @@
 A tree step costs more than a one-token step (on a 2-core CPU, a 4-token verify and its draft
 about 1.8x a plain step), so speculation pays only where enough tokens are accepted per step: on
 SmolLM2's MT-bench answers the sized 4-token tree ran 1.37x plain on `extraction` and 0.82x on
-`humanities` (docs/bench/run44). A `FallbackDrafter` wraps the sized drafter, where the sizing
-measured that it pays (`spec_jax.sizing.choose`), with the break-even acceptance `plain_below`
+`humanities` (docs/bench/run44). A `Fallback` is a setting of the loop (`LoopSettings.fallback`),
+given where the sizing measured that it pays (`spec_jax.sizing.choose`): the break-even
+acceptance `plain_below`
 (the sizing's measured step time of the tree over a plain step's, in plain steps) and a `prior`:
 the tree's measured acceptance, or just above the break-even where that is lower (a tree that
 loses to plain decoding on average, kept for the requests it suits). Each row keeps a running
@@ -48,58 +49,22 @@ class FallbackState:
 
 
 @dataclasses.dataclass(frozen=True)
-class FallbackDrafter(Drafter):
-    """`inner`, with plain steps while a row's running mean of accepted tokens per tree step is
-    below `plain_below`. The mean starts at `prior`, weighs each tree step by `weight` and drifts
-    back to the prior by `relax` of the gap per plain step; `window` plain steps are buffered for
-    the drafter at most."""
+class Fallback:
+    """Plain steps while a row's running mean of accepted tokens per tree step is below
+    `plain_below`. The mean starts at `prior`, weighs each tree step by `weight` and drifts back to
+    the prior by `relax` of the gap per plain step; `window` plain steps are buffered for the
+    drafter at most. Static: part of the compiled loop's settings."""
 
-    inner: Drafter = Drafter()
     plain_below: float = 0.0
     prior: float = 0.0
     weight: float = 0.25
     relax: float = 1 / 16
     window: int = 16
-    method: str = ""
 
-    def __post_init__(self):
-        object.__setattr__(self, "method", self.inner.method)
-
-    @property
-    def tree_size(self):
-        return self.inner.tree_size
-
-    @property
-    def max_depth(self):
-        return self.inner.max_depth
-
-    @property
-    def max_children(self):
-        return self.inner.max_children
-
-    @property
-    def aux_layers(self):
-        return self.inner.aux_layers
-
-    def with_attn_impl(self, impl):
-        return dataclasses.replace(self, inner=self.inner.with_attn_impl(impl))
-
-    def init_state(self, dparams, tparams, tcfg, batch, num_slots):
-        return self.inner.init_state(dparams, tparams, tcfg, batch, num_slots)
-
-    def after_prefill(self, dparams, tparams, tcfg, state, ctx):
-        return self.inner.after_prefill(dparams, tparams, tcfg, state, ctx)
-
-    def propose(self, dparams, tparams, tcfg, state, root, key):
-        return self.inner.propose(dparams, tparams, tcfg, state, root, key)
-
-    def after_verify(self, dparams, tparams, tcfg, state, ctx):
-        return self.inner.after_verify(dparams, tparams, tcfg, state, ctx)
-
-    # ---- the loop's side ----
-    def init_fallback(self, tcfg, batch: int, dtype) -> FallbackState:
+    def init(self, drafter: Drafter, tcfg, batch: int, dtype) -> FallbackState:
+        """The empty buffer and prior means for `drafter` (its fused features buffered too)."""
         w, h = self.window, tcfg.hidden_size
-        n_aux = len(self.aux_layers)
+        n_aux = len(drafter.aux_layers)
         zi = jnp.zeros((batch,), jnp.int32)
         return FallbackState(
             mean=jnp.full((batch,), self.prior, jnp.float32), plain=zi,
@@ -130,8 +95,8 @@ class FallbackDrafter(Drafter):
         """Whether the buffer holds `window` plain steps (a scalar): time to flush."""
         return jnp.max(fb.count) >= self.window
 
-    def flush(self, dparams, tparams, tcfg, state, fb: FallbackState, bonus):
-        """The drafter's state after the buffered plain steps (none: unchanged), and an empty
+    def flush(self, drafter: Drafter, dparams, tparams, tcfg, state, fb: FallbackState, bonus):
+        """`drafter`'s state after the buffered plain steps (none: unchanged), and an empty
         buffer. bonus [B]: the token after the last buffered one (the loop's current root)."""
 
         def run(state):
@@ -146,7 +111,7 @@ class FallbackDrafter(Drafter):
             ctx = VerifyContext(tree=chain, path=path, n_accepted=jnp.maximum(fb.count, 1),
                                 bonus=bonus, hidden=fb.hidden, aux_hidden=fb.aux,
                                 root_pos=fb.pos0, active=fb.count > 0)
-            return self.inner.after_verify(dparams, tparams, tcfg, state, ctx)
+            return drafter.after_verify(dparams, tparams, tcfg, state, ctx)
 
         state = jax.lax.cond(jnp.any(fb.count > 0), run, lambda s: s, state)
         return state, fb.replace(count=jnp.zeros_like(fb.count))

@@ -1,4 +1,4 @@
-"""Tree attention on CPU as one FFI call per layer (`cpu_attention.cc`).
+"""Tree attention on CPU as one FFI call per layer (`attention.cc`).
 
 Same semantics as `reference.tree_attention_reference` (one softmax over the valid cache slots
 and the block keys the tree mask allows); queries that see nothing give zeros. XLA:CPU runs the
@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import cpu_build, reference
+from pallas_kernels.cpu import build
+from pallas_kernels.reference import tree_attention_xla
 
 TARGET = "spec_jax_tree_attention"
 
@@ -27,7 +28,7 @@ def supported(q, k_cache, k_new) -> bool:
     f32 = all(jnp.dtype(x.dtype) == jnp.float32 for x in (q, k_cache, k_new))
     group = q.shape[2] // k_cache.shape[1]
     return (f32 and q.shape[-1] % 16 == 0 and group <= 16 and q.shape[0] > 0
-            and cpu_build.available())
+            and build.available())
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(8,))
@@ -43,8 +44,8 @@ def tree_attention_cpu(q, k_cache, v_cache, slot_valid, length, k_new, v_new, tr
 @tree_attention_cpu.defjvp
 def _jvp(scale, primals, tangents):
     def ref(q, kc, vc, kn, vn):
-        return reference.tree_attention_xla(q, kc, vc, primals[3], primals[4], kn, vn, primals[7],
-                                            scale=scale)
+        return tree_attention_xla(q, kc, vc, primals[3], primals[4], kn, vn, primals[7],
+                                  scale=scale)
 
     q, kc, vc, _, _, kn, vn, _ = primals
     dq, dkc, dvc, _, _, dkn, dvn, _ = tangents

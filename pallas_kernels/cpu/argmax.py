@@ -1,4 +1,4 @@
-"""Row-wise argmax of float32 logits on CPU (`cpu_argmax.cc`); jnp.argmax elsewhere.
+"""Row-wise argmax of float32 logits on CPU (`argmax.cc`); jnp.argmax elsewhere.
 
 Greedy verification takes the argmax of every tree node's logits; XLA:CPU's index-carrying
 reduction is several times slower than a vector max and a scan for its first index. Same result as
@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels import cpu_build
+from pallas_kernels.cpu import build
 
 TARGET = "spec_jax_argmax"
 
@@ -19,7 +19,7 @@ def argmax(x):
     """x [..., V] -> int32 [...]: the index of each row's maximum."""
     v = x.shape[-1]
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-    if x.dtype != jnp.float32 or rows == 0 or v == 0 or not cpu_build.available():
+    if x.dtype != jnp.float32 or rows == 0 or v == 0 or not build.available():
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
     y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows,), jnp.int32),
                          vmap_method="sequential")(jax.lax.stop_gradient(x).reshape(rows, v))
