@@ -1,6 +1,6 @@
 """Greedy speculative decoding over the eval prompt sets: equality with plain decoding and tau.
 
-For every prompt of ../shared/data/eval (MT-bench's conversations of two turns, Vicuna-bench,
+For every prompt of the shipped evaluation sets (spec_jax/prompts: MT-bench's conversations of two turns, Vicuna-bench,
 HumanEval), runs plain greedy decoding and speculative decoding (batched, greedy), then prints per
 drafter and set:
 prompts compared, prompts whose tokens differ from plain decoding, and tau (mean accepted tokens
@@ -22,12 +22,10 @@ import time
 from collections import defaultdict
 
 import spec_jax
-from spec_jax.data import conversation, read_prompts, spread
+from spec_jax.data import PROMPT_SETS, conversation, prompt_set, read_prompts, spread
 from spec_jax.tree_spec import uses_datastore
 
-SETS = {"mt_bench": "../shared/data/eval/mt_bench/question.jsonl",
-        "vicuna_bench": "../shared/data/eval/vicuna_bench/question.jsonl",
-        "humaneval": "../shared/data/eval/humaneval/HumanEval.jsonl.gz"}
+SETS = {name: str(prompt_set(name)) for name in PROMPT_SETS}
 
 
 def load_draft(target, spec):

@@ -1,5 +1,6 @@
-"""Prompt sets: read the formats of ../shared/data (jsonl with a prompt-like field, JSON lists,
-MT-bench/Vicuna-bench `turns`, HumanEval .jsonl.gz) into (id, category, prompt) records; and
+"""Prompt sets: read prompt files (jsonl with a prompt-like field, JSON lists, MT-bench/Vicuna-bench
+`turns`, HumanEval .jsonl.gz) into (id, category, prompt) records — the evaluation sets ship in
+`spec_jax/prompts/` (`prompt_set`); and
 distilled sets (the target's own answers, written by spec_jax.train.distill) read back as token
 sequences for training and datastores.
 
@@ -19,6 +20,16 @@ import numpy as np
 from spec_jax.errors import SpecJaxError
 
 PROMPT_FIELDS = ("prompt", "question", "instruction", "text", "turns")
+PROMPTS_DIR = Path(__file__).resolve().parent / "prompts"
+PROMPT_SETS = {"mt_bench": "mt_bench/question.jsonl", "vicuna_bench": "vicuna_bench/question.jsonl",
+               "humaneval": "humaneval/HumanEval.jsonl.gz"}
+
+
+def prompt_set(name: str) -> Path:
+    """The file of a shipped evaluation set (mt_bench, vicuna_bench, humaneval)."""
+    if name not in PROMPT_SETS:
+        raise SpecJaxError(f"unknown prompt set {name!r}: choose one of {', '.join(PROMPT_SETS)}")
+    return PROMPTS_DIR / PROMPT_SETS[name]
 
 
 class Prompt(NamedTuple):

@@ -7,7 +7,6 @@ import spec_jax  # noqa: F401  (applies the XLA CPU defaults before JAX starts)
 from spec_jax.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = Path(os.environ.get("SPEC_JAX_SHARED", ROOT.parent / "shared"))  # prompt sets (../shared)
 SMOLLM2 = Path(os.environ.get("SPEC_JAX_SMOLLM2", ROOT / "checkpoints" / "smollm2-135m-instruct"))
 
 

@@ -236,13 +236,13 @@ def test_a_limited_run_spreads_over_the_categories():
     """--limit takes prompts in turn from each category: MT-bench's first 10 prompts are all
     `writing`, so the first N would measure one category, not the set."""
     from spec_jax.data import Prompt, read_prompts, spread
-    from tests.conftest import SHARED
+    from spec_jax.data import prompt_set
 
     ps = [Prompt("s", str(i), c, f"{c}{i}") for i, c in enumerate("aaaabbc")]
     assert [p.text for p in spread(ps, 5)] == ["a0", "b4", "c6", "a1", "b5"]
     assert [p.text for p in spread(ps, 2)] == ["a0", "b4"]
     assert spread(ps, None) == ps and spread(ps, 99) == ps
-    mt = spread(read_prompts(SHARED / "data/eval/mt_bench/question.jsonl"), 8)
+    mt = spread(read_prompts(prompt_set("mt_bench")), 8)
     assert len({p.category for p in mt}) == 8
 
 
@@ -605,9 +605,9 @@ def test_a_multi_turn_prompt_is_played_as_its_conversation(tiny_target, monkeypa
 
 def test_mt_bench_records_keep_both_turns():
     from spec_jax.data import conversation, read_prompts
-    from tests.conftest import SHARED
+    from spec_jax.data import prompt_set
 
-    mt = read_prompts(SHARED / "data/eval/mt_bench/question.jsonl")
+    mt = read_prompts(prompt_set("mt_bench"))
     assert len(mt) == 80 and all(len(p.turns) == 2 and p.text == p.turns[0] for p in mt)
     assert conversation(("a", "b", "c"), [" x "]) == [
         {"role": "user", "content": "a"}, {"role": "assistant", "content": "x"},

@@ -8,7 +8,8 @@ import torch
 
 import spec_jax
 from spec_jax.errors import SpecJaxError
-from tests.conftest import ROOT, SHARED, SMOLLM2
+from spec_jax.data import prompt_set
+from tests.conftest import ROOT, SMOLLM2
 
 pytestmark = pytest.mark.smollm2
 
@@ -53,16 +54,11 @@ def test_greedy_generate_matches_transformers(smollm2, hf_model, prompt):
 
 
 def eval_prompts(n):
-    if not (SHARED / "data/eval").is_dir():  # read at collection time: say what is missing
-        raise FileNotFoundError(f"{SHARED / 'data/eval'} not found: the SmolLM2 tests read the "
-                                "eval prompt sets from ../shared beside the project root; set "
-                                "SPEC_JAX_SHARED to the folder that holds data/eval")
     sets = {}
-    for name, path in [("mt_bench", "mt_bench/question.jsonl"),
-                       ("vicuna_bench", "vicuna_bench/question.jsonl")]:
-        lines = (SHARED / "data/eval" / path).read_text().splitlines()[:n]
+    for name in ("mt_bench", "vicuna_bench"):
+        lines = prompt_set(name).read_text().splitlines()[:n]
         sets[name] = [json.loads(l)["turns"][0] for l in lines]
-    with gzip.open(SHARED / "data/eval/humaneval/HumanEval.jsonl.gz", "rt") as f:
+    with gzip.open(prompt_set("humaneval"), "rt") as f:
         sets["humaneval"] = [json.loads(l)["prompt"] for l in list(f)[:n]]
     return [(name, p) for name, ps in sets.items() for p in ps]
 
