@@ -317,7 +317,7 @@ def bench_cli(a):
     import jax
 
     import spec_jax
-    from spec_jax.data import read_prompts, spread
+    from spec_jax.data import prompt_set, read_prompts, spread
 
     if a.temperature < 0 or not 0 < a.top_p <= 1:
         raise SpecJaxError("--temperature must be >= 0 and --top-p in (0, 1]")
@@ -331,7 +331,7 @@ def bench_cli(a):
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     sets = {}
-    for path in a.prompts:
+    for path in a.prompts or [prompt_set("mt_bench")]:
         ps = spread(read_prompts(path), a.limit)
         sets[Path(path).parent.name if Path(path).is_file() else Path(path).name] = ps
     ds = spec_jax.load_datastore(a.datastore) if a.datastore else None

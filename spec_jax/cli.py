@@ -1,11 +1,15 @@
-"""`spec-jax` command line: fetch, convert, generate, demo, distill, datastore, train, bench.
+"""`spec-jax` command line: fetch, convert, import-heads, export-heads, generate, demo, distill,
+datastore, train, bench.
 
-Errors a user can fix print one line (`spec-jax: error: ...`) and exit with status 2.
+Errors a user can fix print one line (`spec-jax: error: ...`) and exit with status 2
+(`spec-jax --debug ...` shows their traceback instead). A --prompt whose bytes are not valid UTF-8
+has them replaced by U+FFFD, with a warning.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -48,16 +52,45 @@ def cmd_convert(a):
     print(f"wrote {out}")
 
 
+def _argv_text(text: str, flag: str) -> str:
+    """A command-line string as text: bytes that are not valid UTF-8 (which Python keeps as lone
+    surrogates, "surrogateescape") are replaced by U+FFFD, with a one-line warning, so the
+    tokenizer never sees them."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        fixed = os.fsencode(text).decode("utf-8", errors="replace")
+        print(f"spec-jax: warning: {flag} is not valid UTF-8: its invalid bytes were replaced "
+              "by U+FFFD", file=sys.stderr)
+        return fixed
+
+
+def cmd_import_heads(a):
+    from spec_jax.convert.heads_io import import_heads
+
+    heads = import_heads(a.format, a.src, a.target, out=a.out, force=a.force)
+    print(f"wrote {a.out} ({heads.method} heads)")
+
+
+def cmd_export_heads(a):
+    from spec_jax.convert.heads_export import export_heads
+
+    out = export_heads(a.format, a.src, a.out, target=a.target, force=a.force)
+    print(f"wrote {out}")
+
+
 def cmd_generate(a):
     import spec_jax
 
     if a.tree is not None and a.draft is None:  # the tree would be ignored: plain decoding
         raise SpecJaxError(f"--tree {a.tree} needs a drafter: pass --draft HEADS_DIR or --draft "
                            "ngram (without --draft, generate decodes plainly)")
+    prompt = _argv_text(a.prompt, "--prompt")
     target = spec_jax.load_target(a.model)
     draft = _draft_arg(target, a.draft)
     ds = spec_jax.load_datastore(a.datastore) if a.datastore else None
-    r = spec_jax.generate(target, a.prompt, max_new_tokens=a.max_new_tokens,
+    r = spec_jax.generate(target, prompt, max_new_tokens=a.max_new_tokens,
                           temperature=a.temperature, top_p=a.top_p, seed=a.seed, chat=not a.no_chat,
                           draft=draft, tree=a.tree, attn_impl=a.attn_impl, datastore=ds,
                           fallback=not a.no_fallback)
@@ -69,6 +102,9 @@ def cmd_generate(a):
         print(f"[{s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, "
               f"{s['mean_accepted']:.2f} tokens/target call, finish={s['finish_reason']}]",
               file=sys.stderr)
+    if r.stats.get("error"):
+        print(f"spec-jax: error: {r.stats['error']}", file=sys.stderr)
+        return 2
 
 
 def cmd_demo(a):
@@ -140,8 +176,52 @@ def cmd_bench(a):
     bench_cli(a)
 
 
+def cmd_plan(a):
+    import json
+    import os
+
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")  # libtpu: no slice to look for
+    from spec_jax.config import ModelConfig
+    from spec_jax.plan import plan
+
+    path = Path(a.config)
+    path = path / "config.json" if path.is_dir() else path
+    try:
+        hf = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SpecJaxError(f"cannot read the config {path}: {e}") from None
+    cfg = ModelConfig.from_hf_dict(hf, dtype=a.dtype)
+    mesh = dict(kv.split("=") for kv in a.mesh.split(",")) if a.mesh else {}
+    bad = set(mesh) - {"data", "model"}
+    if bad or not all(v.isdigit() for v in mesh.values()):
+        raise SpecJaxError(f"--mesh {a.mesh!r}: write data=D,model=M")
+    r = plan(cfg, a.topology, int(mesh.get("data", 1)),
+             int(mesh["model"]) if "model" in mesh else None, a.batch, a.context,
+             None if a.draft in (None, "none") else a.draft, a.tree)
+    if a.json:
+        print(json.dumps(r, indent=1))
+        return
+    gib = 2 ** 30
+    print(f"{a.topology}, mesh data={r['mesh']['data']} model={r['mesh']['model']}, batch "
+          f"{a.batch}, context {a.context}, {cfg.dtype}")
+    print(f"per chip: weights {r['weight_bytes_per_chip'] / gib:.2f} GiB, KV cache "
+          f"{r['cache_bytes_per_chip'] / gib:.2f} GiB, in all {r['per_chip_bytes'] / gib:.2f} GiB "
+          f"of {r['hbm_bytes'] / gib:.1f} GiB HBM: {'fits' if r['fits'] else 'does not fit'}"
+          + (" (compiled for the topology)" if r["compiled"] else " (not compiled)"))
+    if not r["fits"]:
+        print("would fit: " + "; ".join(r["would_fit"]))
+    if r["plain_step_seconds"]:
+        print(f"plain step: {r['plain_step_seconds'] * 1e3:.2f} ms ({r['step_seconds_kind']})")
+    if r.get("tree_step_seconds"):
+        print(f"{a.draft} tree step ({r['tree_tokens']} tokens): "
+              f"{r['tree_step_seconds'] * 1e3:.2f} ms, "
+              f"{r['tree_step_seconds'] / r['plain_step_seconds']:.2f}x a plain step")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="spec-jax", description=__doc__.splitlines()[0])
+    p.add_argument("--debug", action="store_true",
+                   help="show the full traceback of an error instead of its one-line message")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     f = sub.add_parser("fetch", help="download and convert a known model (smollm2-135m-instruct)")
@@ -157,6 +237,26 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     c.add_argument("--force", action="store_true")
     c.set_defaults(fn=cmd_convert)
+
+    ih = sub.add_parser("import-heads", help="published draft heads (EAGLE, EAGLE-3, Medusa, "
+                        "MTP layers) as spec_jax heads for a target")
+    ih.add_argument("--format", required=True, choices=["eagle", "eagle3", "medusa", "mtp"])
+    ih.add_argument("--src", required=True, help="the downloaded heads (for mtp: the target's "
+                    "Hugging Face checkpoint holding its MTP layers)")
+    ih.add_argument("--target", required=True, help="the spec_jax target checkpoint")
+    ih.add_argument("--out", required=True)
+    ih.add_argument("--force", action="store_true", help="replace an existing output")
+    ih.set_defaults(fn=cmd_import_heads)
+
+    eh = sub.add_parser("export-heads", help="spec_jax heads in a published layout (safetensors "
+                        "+ config.json) for other engines")
+    eh.add_argument("--format", required=True, choices=["eagle", "eagle3", "medusa"])
+    eh.add_argument("--src", required=True, help="spec_jax heads directory")
+    eh.add_argument("--out", required=True)
+    eh.add_argument("--target", default=None, help="the target checkpoint (needed for heads not "
+                    "imported from a published file: their config.json, Medusa's LM heads)")
+    eh.add_argument("--force", action="store_true", help="replace an existing output")
+    eh.set_defaults(fn=cmd_export_heads)
 
     g = sub.add_parser("generate", help="generate text, plainly or speculatively")
     g.add_argument("--model", default=str(DEFAULT_MODEL))
@@ -194,7 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("distill", help="self-distillation data: the target answers train prompts")
     s.add_argument("--model", default=str(DEFAULT_MODEL))
-    s.add_argument("--data", default="../shared/data/train",
+    s.add_argument("--data", required=True,
                    help="a folder of prompt files, or `self`: the target writes the prompts too "
                         "(sampled after its chat template's user-turn header)")
     s.add_argument("--out", required=True)
@@ -253,6 +353,19 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.set_defaults(fn=cmd_train)
 
+    pl = sub.add_parser("plan", help="compile for a TPU topology (no TPU needed): memory per chip, "
+                                     "whether it fits, step time bounds")
+    pl.add_argument("--config", required=True, help="a Hugging Face config.json or its folder")
+    pl.add_argument("--topology", default="v5e:2x2", help="e.g. v5e:2x2, v6e:2x4, v5p:2x2x2")
+    pl.add_argument("--mesh", default=None, help="data=D,model=M (default: every chip on model)")
+    pl.add_argument("--batch", type=int, default=1)
+    pl.add_argument("--context", type=int, default=8192)
+    pl.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    pl.add_argument("--draft", default=None, help="eagle | eagle3 | medusa | mtp (fresh heads' shapes)")
+    pl.add_argument("--tree", default=None, help="the heads' tree, e.g. dynamic:8,6,32")
+    pl.add_argument("--json", action="store_true")
+    pl.set_defaults(fn=cmd_plan)
+
     b = sub.add_parser("bench", help="measure plain vs speculative decoding on prompt sets")
     b.add_argument("--model", default=str(DEFAULT_MODEL))
     b.add_argument("--layers", default="auto",
@@ -262,7 +375,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--drafts", nargs="*", default=["ngram"],
                    help="ngram or a heads directory, each optionally @TREE; @auto sizes it for "
                         "this machine first (ngram@auto: its chain length, or plain decoding)")
-    b.add_argument("--prompts", nargs="+", default=["../shared/data/eval/mt_bench/question.jsonl"])
+    b.add_argument("--prompts", nargs="+", default=None,
+                   help="prompt files (default: the shipped MT-bench questions, spec_jax/prompts)")
     b.add_argument("--limit", type=int, default=10,
                    help="prompts per file, taken in turn from its categories")
     b.add_argument("--turns", choices=("all", "first"), default="all",
@@ -304,21 +418,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    if argv is None and args.cmd not in ("fetch", "convert"):
+    if argv is None and args.cmd not in ("fetch", "convert", "import-heads", "export-heads"):
         # a real command line: compiled programs go to disk for the next run (tests pass argv
         # and keep their process's JAX settings as they are)
         from spec_jax._xla import enable_compilation_cache
 
         enable_compilation_cache()
     try:
-        args.fn(args)
+        rc = args.fn(args)  # a command returns 2 where its output is incomplete
     except SpecJaxError as e:
-        print(f"spec-jax: error: {e}", file=sys.stderr)
+        if args.debug:
+            raise
+        print(f"spec-jax: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("spec-jax: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return rc if isinstance(rc, int) else 0
 
 
 if __name__ == "__main__":

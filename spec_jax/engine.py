@@ -17,6 +17,7 @@ from spec_jax.errors import SpecJaxError
 from spec_jax.fallback import Fallback
 from spec_jax.heads.base import Drafter
 from spec_jax.step import (
+    FINISH_ERROR,
     FINISH_LENGTH,
     FINISH_STOP,
     LoopSettings,
@@ -26,7 +27,9 @@ from spec_jax.step import (
 )
 from spec_jax.target import Target
 
-FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length"}
+FINISH_NAMES = {FINISH_STOP: "stop", FINISH_LENGTH: "length", FINISH_ERROR: "error"}
+NONFINITE = ("the target's logits turned non-finite (NaN or inf): the row stopped without "
+             "emitting the tokens chosen from them; check the weights and the prompt")
 # Compiled loops kept per target, least recently used dropped first. Each XLA:CPU executable holds
 # ~1 000 memory maps and a process may have 65 530 (vm.max_map_count): `spec-jax bench --calibrate`
 # with four heads compiled ~60 loops in one process and aborted inside LLVM ("Cannot allocate
@@ -104,6 +107,12 @@ def _compiled(target: Target, key: tuple, precision: str, lower):
             del target.compiled[k]
     target.compiled[key] = fn
     return fn, seconds
+
+
+def mesh_attn(target: Target, attn_impl: str) -> str:
+    """The attention a target on a mesh runs: XLA's for "auto" (the CPU kernel is one device's
+    FFI call; XLA partitions its own attention by KV head)."""
+    return "xla" if target.mesh is not None and attn_impl == "auto" else attn_impl
 
 
 def check_settings(b: int, max_new_tokens, temperature, top_p):
@@ -198,5 +207,7 @@ def run(target: Target, ids: Sequence[Sequence[int]], drafter: Drafter, dparams:
             "batch_steps": calls,
             "plain_steps": int(plain[i]),  # target calls of one token where trees did not pay
         }
+        if int(finish[i]) == FINISH_ERROR:
+            stats["error"] = NONFINITE
         results.append(GenerationResult(token_ids=toks, text=target.decode(toks), stats=stats))
     return results

@@ -84,6 +84,18 @@ def _fallback_point(fallback) -> tuple[float, float] | None:
     return point
 
 
+def check_rule_and_impl(accept_rule, attn_impl) -> None:
+    """Refuse an unknown `accept_rule` or `attn_impl` (one line listing the choices)."""
+    from pallas_kernels.dispatch import IMPLS
+    from spec_jax.verify import ACCEPT_RULES
+
+    if not isinstance(accept_rule, str) or accept_rule not in ACCEPT_RULES:
+        raise SpecJaxError(f"unknown accept_rule {accept_rule!r}: choose one of "
+                           f"{', '.join(ACCEPT_RULES)}")
+    if not isinstance(attn_impl, str) or attn_impl not in IMPLS:
+        raise SpecJaxError(f"unknown attn_impl {attn_impl!r}: choose one of {', '.join(IMPLS)}")
+
+
 def sizing_setting(temperature: np.ndarray, top_p: np.ndarray) -> tuple[float, float]:
     """The (temperature, top_p) a batch's tree is sized for: greedy if every row is greedy, else
     the commonest setting of its sampling rows (a batch with any sampling row verifies by
@@ -149,6 +161,8 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int | Sequ
         raise SpecJaxError(f"generate_batch takes a list of prompts, not a {type(prompts).__name__}: "
                            "wrap one prompt in a list, or call generate")
     b = len(prompts)
+    check_rule_and_impl(accept_rule, attn_impl)
+    attn_impl = engine.mesh_attn(target, attn_impl)
     row_max, temps, top_ps = engine.check_settings(b, max_new_tokens, temperature, top_p)
     ids = [target.encode(p, chat=chat) for p in prompts]
     size_t, size_p = sizing_setting(temps, top_ps)

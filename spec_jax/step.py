@@ -26,6 +26,8 @@ from spec_jax.models.llama import causal_mask, forward, lm_head
 from spec_jax.verify import sample_token, split_rows, verify
 
 FINISH_RUNNING, FINISH_STOP, FINISH_LENGTH = 0, 1, 2
+# a row whose target logits turned non-finite (NaN/inf): it stops before emitting from them
+FINISH_ERROR = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +115,9 @@ def prefill(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatur
     rows = jnp.arange(b)
     last_h = fwd.hidden[rows, prompt_len - 1]  # [B, H]
     key, k0 = split_rows(key, 2)
-    first = sample_token(lm_head(params, cfg, last_h), k0, greedy, temperature, top_p)
+    first_logits = lm_head(params, cfg, last_h)
+    first = sample_token(first_logits, k0, greedy, temperature, top_p)
+    first_ok = jnp.isfinite(first_logits[rows, first])  # [B] see `_emitted_finite`
     select = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
     cache = commit(cache, fwd.k_new, fwd.v_new, positions, select, prompt_len)
     dstate = drafter.init_state(dparams, params, cfg, b, n_slots)
@@ -124,7 +128,8 @@ def prefill(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatur
     finish = jnp.full((b,), FINISH_RUNNING, jnp.int32)
     out, n_out, finish = _emit(out, jnp.zeros((b,), jnp.int32), finish, first[:, None],
                                jnp.ones((b,), jnp.int32), settings.eos_ids, row_max_new,
-                               jnp.ones((b,), bool))
+                               first_ok)
+    finish = jnp.where(first_ok, finish, FINISH_ERROR)
     finish = jnp.where((finish == FINISH_RUNNING) & (cache.length + t_size > n_slots),
                        FINISH_LENGTH, finish)
     fb = (None if settings.fallback is None
@@ -132,6 +137,28 @@ def prefill(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatur
     return LoopState(cache=cache, dstate=dstate, root=first, out=out, n_out=n_out, finish=finish,
                      calls=jnp.zeros((), jnp.int32), hist=jnp.zeros((b, depth + 1), jnp.int32),
                      key=key, fb=fb)
+
+
+def _emitted(tree, verdict, depth: int):
+    """The tokens a step emits [B, depth + 1]: the accepted draft tokens (path[1:]), then the
+    bonus at index n_accepted - 1 (later entries are not emitted)."""
+    b = tree.tokens.shape[0]
+    j = jnp.arange(depth + 1)[None, :]
+    nxt = jnp.concatenate([verdict.path[:, 1:], jnp.full((b, 1), -1, jnp.int32)], axis=1)
+    toks = tree.tokens[jnp.arange(b)[:, None], jnp.maximum(nxt, 0)]
+    return jnp.where(j == (verdict.n_accepted[:, None] - 1), verdict.bonus[:, None], toks)
+
+
+def _emitted_finite(logits, verdict, new):
+    """[B] whether every token a row emits this step has a finite logit at the node that chose
+    it: a row whose target logits turned NaN or infinite (every logit, as non-finite weights or
+    activations make them) would otherwise emit argmax's token 0 or a sample of garbage. B x
+    (depth + 1) gathered values: no pass over the [B, T, V] logits."""
+    b, a = new.shape
+    node = jnp.maximum(verdict.path[:, :a], 0)
+    vals = logits[jnp.arange(b)[:, None], node, new]
+    emitted = jnp.arange(a)[None, :] < verdict.n_accepted[:, None]
+    return jnp.all(jnp.isfinite(vals) | ~emitted, axis=-1)
 
 
 def decode(params, dparams, state: LoopState, temperature, top_p, row_max_new, *,
@@ -160,7 +187,8 @@ def decode(params, dparams, state: LoopState, temperature, top_p, row_max_new, *
         with jax.named_scope("verify"):
             verdict = verify(fwd.logits, tree, kv, greedy=greedy, max_depth=depth,
                              temperature=temperature, top_p=top_p, accept_rule=settings.accept_rule)
-        return tree, dstate, fwd._replace(logits=None), verdict
+            finite = _emitted_finite(fwd.logits, verdict, _emitted(tree, verdict, depth))
+        return tree, dstate, fwd._replace(logits=finite), verdict  # logits: [B] all finite
 
     def score_root(s: LoopState, dstate, kd, kv):
         """`score_tree`'s outputs for a plain step (the root alone), padded to the tree's shapes."""
@@ -171,6 +199,7 @@ def decode(params, dparams, state: LoopState, temperature, top_p, row_max_new, *
         with jax.named_scope("verify"):
             verdict = verify(fwd.logits, tree, kv, greedy=greedy, max_depth=0,
                              temperature=temperature, top_p=top_p, accept_rule=settings.accept_rule)
+            finite = _emitted_finite(fwd.logits, verdict, _emitted(tree, verdict, 0))
         pad = lambda x, axis, value=0: jnp.pad(  # noqa: E731
             x, [(0, t_size - 1 if i == axis else 0) for i in range(x.ndim)], constant_values=value)
         k = drafter.max_children
@@ -178,7 +207,7 @@ def decode(params, dparams, state: LoopState, temperature, top_p, row_max_new, *
                              depth=pad(tree.depth, 1), mask=pad(pad(tree.mask, 1), 2),
                              children=jnp.pad(tree.children, ((0, 0), (0, t_size - 1), (0, k - 1)),
                                               constant_values=-1))
-        fwd = fwd._replace(logits=None, hidden=pad(fwd.hidden, 1), k_new=pad(fwd.k_new, 2),
+        fwd = fwd._replace(logits=finite, hidden=pad(fwd.hidden, 1), k_new=pad(fwd.k_new, 2),
                            v_new=pad(fwd.v_new, 2),
                            aux_hidden=None if fwd.aux_hidden is None else pad(fwd.aux_hidden, 1))
         verdict = verdict._replace(path=jnp.pad(verdict.path, ((0, 0), (0, depth)),
@@ -211,14 +240,11 @@ def decode(params, dparams, state: LoopState, temperature, top_p, row_max_new, *
         positions = root_pos[:, None] + tree.depth
         n_acc = jnp.where(active, verdict.n_accepted, 0)
         cache = commit(s.cache, k_new, v_new, positions, jnp.maximum(verdict.path, 0), n_acc)
-        # emitted tokens: the accepted draft tokens (path[1:]) then the bonus
-        a = depth + 1
-        j = jnp.arange(a)[None, :]
-        nxt = jnp.concatenate([verdict.path[:, 1:], jnp.full((b, 1), -1, jnp.int32)], axis=1)
-        toks = tree.tokens[rows[:, None], jnp.maximum(nxt, 0)]
-        new = jnp.where(j == (verdict.n_accepted[:, None] - 1), verdict.bonus[:, None], toks)
+        new = _emitted(tree, verdict, depth)
+        broken = active & ~fwd.logits  # non-finite logits: the row stops, emitting nothing
         out, n_out, finish = _emit(s.out, s.n_out, s.finish, new, verdict.n_accepted,
-                                   settings.eos_ids, row_max_new, active)
+                                   settings.eos_ids, row_max_new, active & ~broken)
+        finish = jnp.where(broken, FINISH_ERROR, finish)
         finish = jnp.where((finish == FINISH_RUNNING) & (cache.length + t_size > n_slots),
                            FINISH_LENGTH, finish)
         root = jnp.where(active, verdict.bonus, s.root)

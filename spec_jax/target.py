@@ -14,7 +14,7 @@ import numpy as np
 
 from spec_jax.config import ModelConfig
 from spec_jax.errors import SpecJaxError
-from spec_jax.io import load_params, read_meta
+from spec_jax.io import check_finite, damaged, load_params, read_meta
 
 
 @dataclasses.dataclass(eq=False)
@@ -25,6 +25,7 @@ class Target:
     path: Path | None = None
     # Compiled executables keyed by their static settings; owned by this target, not module state.
     compiled: dict = dataclasses.field(default_factory=dict, repr=False)
+    mesh: Any = None  # a jax.sharding.Mesh the parameters are placed on (spec_jax.sharding), or None
 
     @property
     def eos_ids(self) -> tuple[int, ...]:
@@ -41,12 +42,7 @@ class Target:
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], dict):
             return self._encode_chat(list(prompt))
         if not isinstance(prompt, str):
-            ids = [int(t) for t in prompt]
-            if not ids:
-                raise SpecJaxError("empty prompt: pass a non-empty string or list of token ids")
-            if min(ids) < 0 or max(ids) >= self.cfg.vocab_size:
-                raise SpecJaxError(f"token ids must lie in [0, {self.cfg.vocab_size})")
-            return ids
+            return self._check_ids(prompt)
         if self.tokenizer is None:
             raise SpecJaxError("this target has no tokenizer: pass token ids instead of a string")
         if chat and getattr(self.tokenizer, "chat_template", None):
@@ -54,6 +50,31 @@ class Target:
         ids = self.tokenizer(prompt)["input_ids"]
         if not ids:
             raise SpecJaxError("the prompt encodes to no tokens: pass a non-empty prompt")
+        return ids
+
+    def _check_ids(self, prompt) -> list[int]:
+        """A prompt given as token ids: a list or tuple of Python or NumPy integers, or a 1-D
+        integer array, each in [0, vocab_size)."""
+        kinds = "a string, a list of token ids or a list of chat messages"
+        if hasattr(prompt, "dtype") and hasattr(prompt, "ndim"):  # a NumPy or JAX array
+            if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+                raise SpecJaxError(f"a prompt array must be 1-D of integer token ids, not "
+                                   f"{prompt.ndim}-D {prompt.dtype}: pass {kinds}")
+            prompt = np.asarray(prompt).tolist()
+        if not isinstance(prompt, (list, tuple)):
+            raise SpecJaxError(f"a prompt must be {kinds}, not a {type(prompt).__name__}")
+        bad = next((t for t in prompt if isinstance(t, (bool, np.bool_))
+                    or not isinstance(t, (int, np.integer))), False)
+        if bad is not False:
+            raise SpecJaxError(f"token ids must be integers, not {type(bad).__name__} ({bad!r}): "
+                               f"pass {kinds}")
+        ids = [int(t) for t in prompt]
+        if not ids:
+            raise SpecJaxError("empty prompt: pass a non-empty string or list of token ids")
+        out = next((t for t in ids if not 0 <= t < self.cfg.vocab_size), None)
+        if out is not None:
+            raise SpecJaxError(f"token id {out} is out of range: token ids must lie in "
+                               f"[0, {self.cfg.vocab_size})")
         return ids
 
     def _encode_chat(self, messages: list[dict]) -> list[int]:
@@ -94,8 +115,13 @@ class Target:
         """An empty KV cache laid out like the parameters: per-layer buffers for unrolled layers."""
         from spec_jax.cache import cache_for
 
-        return cache_for(self.cfg, batch, num_slots,
-                         per_layer=isinstance(self.params["layers"], (list, tuple)))
+        cache = cache_for(self.cfg, batch, num_slots,
+                          per_layer=isinstance(self.params["layers"], (list, tuple)))
+        if self.mesh is not None:  # split by row and KV head, as the parameters are by head
+            from spec_jax.sharding import shard_cache
+
+            cache = shard_cache(cache, self.cfg, self.mesh)
+        return cache
 
     def logits(self, token_ids) -> np.ndarray:
         """Full-sequence logits (float32): [T, V] for one sequence of ids [T], [B, T, V] for a batch
@@ -139,7 +165,8 @@ class Target:
         return h.hexdigest()[:16]
 
 
-def load_target(path: str | Path, dtype: str | None = None, layers: str = "auto") -> Target:
+def load_target(path: str | Path, dtype: str | None = None, layers: str = "auto",
+                mesh=None) -> Target:
     """Load a spec_jax target checkpoint (written by `spec-jax convert` or `spec-jax fetch`).
 
     layers: "scan" (stacked, compile time independent of depth), "unrolled" (per-layer buffers,
@@ -148,11 +175,16 @@ def load_target(path: str | Path, dtype: str | None = None, layers: str = "auto"
     uint8 codes and scales that reproduce it bit for bit), "packed_f32" (every matrix as float32
     panels: the same results to float32 rounding, more bytes to read) or "auto" (packed on CPU
     when the kernel builds and the weights are float32, else unrolled on CPU; scan elsewhere). A
-    packed layout with codes is cached for the next load (`packed_cached`)."""
+    packed layout with codes is cached for the next load (`packed_cached`).
+
+    mesh: a `jax.sharding.Mesh` with axes "data" and/or "model": the parameters are placed on it
+    by `spec_jax.sharding.RULES` (stacked layers: "auto" is "scan" there) and `generate` runs the
+    same compiled loop partitioned over it."""
     path = Path(path)
+    layers = _mesh_layers(mesh, layers)
     meta = read_meta(path, "target", "create one with `spec-jax fetch smollm2-135m-instruct` "
                      "or `spec-jax convert --hf DIR --out DIR`")
-    cfg = ModelConfig.from_dict(meta["config"])
+    cfg = config_from_meta(path, meta["config"])
     convert = dtype is not None and dtype != cfg.dtype
     if convert:
         cfg = dataclasses.replace(cfg, dtype=dtype)
@@ -160,6 +192,8 @@ def load_target(path: str | Path, dtype: str | None = None, layers: str = "auto"
     cached = _packed_cache_read(path) if layout == "packed" and not convert else None
     # on a packed-cache hit the float32 matrices it holds as codes are not read at all
     params = load_params(path / "params", skip=cached and _packed_cache_covers(cached))
+    check_shapes(path, cfg, params)
+    check_finite(params, f"the target at {path}")
     if convert:
         params = jax.tree.map(lambda a: a.astype(jnp.dtype(dtype)), params)
     if cached is not None:
@@ -168,7 +202,85 @@ def load_target(path: str | Path, dtype: str | None = None, layers: str = "auto"
         params = packed_cached(path, params, cfg)
     else:
         params = arrange_layers(params, cfg, layers)
-    return Target(cfg=cfg, params=params, tokenizer=load_tokenizer(path), path=path)
+    if mesh is not None:
+        from spec_jax.sharding import shard_params
+
+        params = shard_params(params, cfg, mesh)
+    return Target(cfg=cfg, params=params, tokenizer=load_tokenizer(path), path=path, mesh=mesh)
+
+
+def _mesh_layers(mesh, layers: str) -> str:
+    """The layer layout on `mesh`: stacked ("scan"); the packed CPU kernels run on one device."""
+    if mesh is None:
+        return layers
+    from spec_jax.sharding import check_mesh
+
+    check_mesh(mesh)
+    if layers not in ("auto", "scan"):
+        raise SpecJaxError(f"layers={layers!r} runs on one device: on a mesh, layers are stacked "
+                           "(layers='scan' or 'auto')")
+    return "scan"
+
+
+def config_from_meta(path: Path, d) -> ModelConfig:
+    """The ModelConfig that a target's spec_jax.json records, or a one-line "damaged" error
+    naming the missing, unknown or ill-typed field."""
+    fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+    if not isinstance(d, dict):
+        raise damaged(path, "spec_jax.json's 'config' is not an object")
+    required = [n for n, f in fields.items()
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    missing = [n for n in required if n not in d]
+    unknown = sorted(set(d) - set(fields))
+    if missing or unknown:
+        what = "; ".join(x for x in (missing and f"lacks {', '.join(missing)}",
+                                     unknown and f"has unknown {', '.join(unknown)}") if x)
+        raise damaged(path, f"spec_jax.json's config {what}")
+    for n in required:
+        v = d[n]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise damaged(path, f"spec_jax.json's config has {n}={v!r}, not a positive integer")
+    try:
+        return ModelConfig.from_dict(d)
+    except (TypeError, ValueError) as e:
+        raise damaged(path, f"spec_jax.json's config cannot be read ({e})") from None
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    """The shape of every stacked parameter that `cfg` implies ("/"-joined paths)."""
+    from spec_jax.models.llama import init_params
+
+    tree = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
+    return {jax.tree_util.keystr(k, simple=True, separator="/"): tuple(a.shape)
+            for k, a in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def check_shapes(path: Path, cfg: ModelConfig, params) -> None:
+    """Refuse a checkpoint whose spec_jax.json disagrees with its weights' shapes, naming the
+    field (before anything compiles). Arrays absent from `params` (read from the packed cache
+    instead) are not checked."""
+    have = {jax.tree_util.keystr(k, simple=True, separator="/"): tuple(a.shape)
+            for k, a in jax.tree_util.tree_leaves_with_path(params)}
+    want = expected_shapes(cfg)
+    c = cfg
+    # (field(s), the value spec_jax.json gives, tensor, axis): the first that disagrees is named
+    named = [("vocab_size", c.vocab_size, "embed", 0), ("hidden_size", c.hidden_size, "embed", 1),
+             ("num_layers", c.num_layers, "layers/wq", 0),
+             ("intermediate_size", c.intermediate_size, "layers/w_gate", 2),
+             ("num_heads*head_dim", c.num_heads * c.head_dim, "layers/wq", 2),
+             ("num_kv_heads*head_dim", c.num_kv_heads * c.head_dim, "layers/wk", 2)]
+    for field, value, name, axis in named:
+        shape = have.get(name)
+        if shape is not None and (len(shape) <= axis or shape[axis] != value):
+            raise SpecJaxError(
+                f"checkpoint {path}: spec_jax.json's {field}={value} disagrees with the weights: "
+                f"{name} should have shape {want[name]}, has {shape}; re-run `spec-jax convert`")
+    for name in sorted(set(have) | set(want)):
+        if name in have and have[name] != want.get(name):
+            what = ("is not a parameter of this config (tie_word_embeddings, attention_bias?)"
+                    if name not in want else f"should have shape {want[name]}")
+            raise SpecJaxError(f"checkpoint {path}: spec_jax.json disagrees with the weights: "
+                               f"{name} {what}, has {have[name]}; re-run `spec-jax convert`")
 
 
 def load_tokenizer(path: Path):
@@ -350,8 +462,15 @@ def _from_arrays(params, arrays: dict):
     return out
 
 
-def random_target(cfg: ModelConfig, seed: int = 0, scale: float = 0.02) -> Target:
-    """A target with random weights and no tokenizer (tests, tiny configs)."""
+def random_target(cfg: ModelConfig, seed: int = 0, scale: float = 0.02, mesh=None) -> Target:
+    """A target with random weights and no tokenizer (tests, tiny configs), placed on `mesh` by
+    `spec_jax.sharding.RULES` when one is given."""
     from spec_jax.models.llama import init_params
 
-    return Target(cfg=cfg, params=init_params(cfg, jax.random.PRNGKey(seed), scale=scale))
+    params = init_params(cfg, jax.random.PRNGKey(seed), scale=scale)
+    if mesh is not None:
+        from spec_jax.sharding import check_mesh, shard_params
+
+        check_mesh(mesh)
+        params = shard_params(params, cfg, mesh)
+    return Target(cfg=cfg, params=params, mesh=mesh)

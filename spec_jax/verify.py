@@ -220,6 +220,10 @@ def greedy_walk(best, tree: Tree, max_depth: int) -> Verdict:
     return Verdict(path=path, n_accepted=tree.depth[rows, cur] + 1, bonus=best[rows, cur])
 
 
+# "exact": lossless verification; "broken": a deliberately wrong rule (see `verify`) for tests
+ACCEPT_RULES = ("exact", "broken")
+
+
 def verify(logits, tree: Tree, keys, *, greedy: bool, max_depth: int, temperature=1.0,
            top_p=1.0, accept_rule: str = "exact") -> Verdict:
     """The accepted path and bonus token. logits [B, T, V] are the target's at every node; keys

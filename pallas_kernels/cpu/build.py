@@ -73,7 +73,29 @@ def _compile(cmd: list[str], out: Path) -> None:
         res = subprocess.run(cmd + ["-o", str(lib)], capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"{cmd[0]} failed: {res.stderr.strip()[-2000:]}")
+        digest = Path(tmp) / "digest"
+        digest.write_text(_digest(lib))
         os.replace(lib, out)  # atomic: concurrent builders never see a half-written library
+        os.replace(digest, _digest_file(out))
+
+
+def _digest(lib: Path) -> str:
+    return hashlib.sha256(lib.read_bytes()).hexdigest()
+
+
+def _digest_file(lib: Path) -> Path:
+    return lib.with_name(lib.name + ".sha256")
+
+
+def _intact(lib: Path) -> bool:
+    """Whether the cached library is the one its build wrote: its SHA-256 is the one recorded
+    beside it. A truncated or emptied file (a full disk, a killed copy) would otherwise crash the
+    process when loaded ("Bus error") or fail to register; a library without a record (an older
+    cache) is rebuilt once."""
+    try:
+        return lib.is_file() and _digest_file(lib).read_text().strip() == _digest(lib)
+    except OSError:
+        return False
 
 
 @functools.cache
@@ -94,7 +116,7 @@ def _load() -> str | None:
     cmd = _command(compiler)
     lib = _cache_dir() / f"cpu_kernels-{_build_key(cmd)}.so"
     try:
-        if not lib.is_file():
+        if not _intact(lib):
             _compile(cmd, lib)
         import ctypes
 

@@ -48,7 +48,8 @@ class DraftHeads:
         """Params ready to run on `target` (adds what derives from it, see heads.vocab), made once
         per target and params object and kept in the target's cache of compiled things.
 
-        On a packed target the matrices are packed too, as bfloat16 (`PACKED_DTYPE`; `pack=False`
+        On a mesh they are placed by the target's partition rules (`spec_jax.sharding`). On a
+        packed target the matrices are packed too, as bfloat16 (`PACKED_DTYPE`; `pack=False`
         keeps them plain float32: training updates and saves plain matrices), except a draft
         vocabulary's slice of a target LM head that is exactly a GGUF dequantization (whether the
         target streams its own layers as codes or as float32), which is packed as its uint8 codes:
@@ -60,7 +61,12 @@ class DraftHeads:
         hit = target.compiled.get(key)
         if hit is not None and hit[0] is self.params and hit[1] is target.params:
             return hit[2]
-        params = bind_target(self.params, target.params, target.cfg)
+        params = self.params
+        if target.mesh is not None:  # loaded heads live on one device: the mesh's first
+            from spec_jax.sharding import shard_params
+
+            params = shard_params(params, target.cfg, target.mesh)
+        params = bind_target(params, target.params, target.cfg)
         if pack:
             from pallas_kernels.cpu.gemm import pack_exact, pack_matrices
 
@@ -70,6 +76,8 @@ class DraftHeads:
                 exact = {"lm_sub": w} if w.scales is not None else {}  # (fewer bytes than bf16)
             keys = tuple(k for k in PACKABLE if k not in exact)
             params = {**pack_matrices(params, keys, PACKED_DTYPE), **exact}
+        if target.mesh is not None:  # what derives from the target, placed by the same rules
+            params = shard_params(params, target.cfg, target.mesh)
         target.compiled[key] = (self.params, target.params, params)
         return params
 
@@ -142,12 +150,38 @@ def save_draft(heads: DraftHeads, out_dir, force: bool = False) -> Path:
 
 
 def load_draft(path) -> DraftHeads:
-    from spec_jax.io import load_params, read_meta
+    from spec_jax.io import check_finite, damaged, load_params, read_meta
 
     path = Path(path)
     meta = read_meta(path, "draft", "train heads with `spec-jax train` or pass 'ngram'")
     if meta["method"] not in METHODS:
         raise SpecJaxError(f"{path} holds heads of an unknown draft method {meta['method']!r}: "
                            f"spec_jax knows {', '.join(METHODS)}")
-    return DraftHeads(method=meta["method"], params=load_params(path / "params"),
+    if not isinstance(meta["hparams"], dict) or not isinstance(meta["target"], dict):
+        raise damaged(path, "spec_jax.json's 'hparams' and 'target' must be objects", "draft")
+    params = load_params(path / "params", kind="draft")
+    check_head_shapes(path, meta, params)
+    check_finite(params, f"the {meta['method']} heads at {path}")
+    return DraftHeads(method=meta["method"], params=params,
                       hparams=meta["hparams"], target_info=meta["target"])
+
+
+def check_head_shapes(path, meta: dict, params) -> None:
+    """Refuse heads whose spec_jax.json disagrees with their weights where that is cheap to see:
+    the target's vocabulary (t2d), the draft vocabulary (d2t) and the hidden size (the output
+    axis of every attention output and MLP down projection)."""
+    info, hp = meta["target"], meta["hparams"]
+    leaves = {jax.tree_util.keystr(k, simple=True, separator="/"): tuple(a.shape)
+              for k, a in jax.tree_util.tree_leaves_with_path(params)}
+    checks = [("target.vocab_size", info.get("vocab_size"), "t2d", 0),
+              ("hparams.draft_vocab", hp.get("draft_vocab"), "d2t", 0)]
+    checks += [("target.hidden_size", info.get("hidden_size"), name, -1) for name in leaves
+               if name.rsplit("/", 1)[-1] in ("wo", "w_down")]
+    for field, value, name, axis in checks:
+        shape = leaves.get(name)
+        if value is None or shape is None:
+            continue
+        if not shape or shape[axis] != value:
+            raise SpecJaxError(f"checkpoint {path}: spec_jax.json's {field}={value} disagrees with "
+                               f"the weights: {name} has shape {shape}; re-train or re-import the "
+                               "heads")
