@@ -24,6 +24,30 @@ def load_draft(path):
     return _load(path)
 
 
+def import_heads(format, src, target, out=None, force=False):
+    """Published heads (format eagle, eagle3, medusa or mtp) in `src` as spec_jax heads for
+    `target` (a Target or its directory), saved to `out` when given (see spec_jax.convert.heads_io)."""
+    from spec_jax.convert.heads_io import import_heads as _import
+
+    return _import(format, src, target, out=out, force=force)
+
+
+def export_heads(format, src, out, target=None, force=False):
+    """spec_jax heads (DraftHeads or their directory) written to `out` in the published layout of
+    `format` (eagle, eagle3, medusa)."""
+    from spec_jax.convert.heads_export import export_heads as _export
+
+    return _export(format, src, out, target=target, force=force)
+
+
+def draft_logits(target, heads, token_ids):
+    """The heads' first draft step along `token_ids`: float32 [n-1, vocab], row j for token
+    j+2 (see spec_jax.heads.teacher)."""
+    from spec_jax.heads.teacher import draft_logits as _dl
+
+    return _dl(target, heads, token_ids)
+
+
 def load_datastore(path):
     """A datastore (a corpus of the target's own output) saved by `spec-jax datastore`."""
     from spec_jax.heads.datastore import load_datastore as _load
@@ -31,6 +55,6 @@ def load_datastore(path):
     return _load(path)
 
 
-__all__ = ["GenerationResult", "ModelConfig", "SpecJaxError", "Target", "enable_compilation_cache",
-           "generate", "generate_batch", "init_draft", "load_datastore", "load_draft", "load_target",
-           "random_target"]
+__all__ = ["GenerationResult", "ModelConfig", "SpecJaxError", "Target", "draft_logits",
+           "enable_compilation_cache", "export_heads", "generate", "generate_batch", "import_heads",
+           "init_draft", "load_datastore", "load_draft", "load_target", "random_target"]

@@ -12,6 +12,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",  # Qwen2's layout + a per-head RMSNorm of q and k (q_norm, k_norm)
 }
 
 
@@ -82,7 +83,7 @@ class ModelConfig:
             num_heads=num_heads,
             num_kv_heads=d.get("num_key_value_heads") or num_heads,
             head_dim=head_dim,
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6 if family == "qwen2" else 1e-5),
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6 if family in ("qwen2", "qwen3") else 1e-5),
             rope_theta=rope_theta,
             rope_scaling=rs or None,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),

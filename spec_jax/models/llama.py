@@ -4,7 +4,8 @@ Parameters (L layers stacked on axis 0, so the layer loop is a `lax.scan` and co
 grow with depth; `unstack_layers` turns them into a list for unrolled execution, faster on CPU):
   embed [V, H]; final_norm [H]; lm_head [H, V] (absent when embeddings are tied);
   layers: attn_norm [L, H], wq [L, H, NH*D], wk/wv [L, H, KVH*D], wo [L, NH*D, H],
-          (bq [L, NH*D], bk/bv [L, KVH*D] when attention_bias), mlp_norm [L, H],
+          (bq [L, NH*D], bk/bv [L, KVH*D] when attention_bias), (q_norm, k_norm [L, D]: Qwen3's
+          per-head RMSNorm of q and k before RoPE, family "qwen3"), mlp_norm [L, H],
           w_gate/w_up [L, H, I], w_down [L, I, H].
 `pack_layers` (CPU) makes them a list of per-layer dicts of packed matrices, with wqkv [H, (NH +
 2 KVH) * D] and w_gate_up [H, 2I] in place of the matrices they join.
@@ -126,6 +127,10 @@ def init_params(cfg: ModelConfig, key, scale: float = 0.02):
     }
     if cfg.attention_bias:
         layers.update(bq=nrm((L, nq)), bk=nrm((L, nkv)), bv=nrm((L, nkv)))
+    if cfg.family == "qwen3":  # its own key: other families' random weights stay as they were
+        kq, kk = jax.random.split(jax.random.fold_in(key, 3))
+        layers.update(q_norm=(1.0 + 0.1 * jax.random.normal(kq, (L, cfg.head_dim))).astype(dt),
+                      k_norm=(1.0 + 0.1 * jax.random.normal(kk, (L, cfg.head_dim))).astype(dt))
     params = {"embed": nrm((V, H)), "final_norm": jnp.ones((H,), dt), "layers": layers}
     if not cfg.tie_word_embeddings:
         params["lm_head"] = nrm((H, V))
@@ -167,7 +172,8 @@ def decoder_layer(lp, cfg: ModelConfig, x, rope, attend, input_norm=True, rows=N
     norm = (lp["attn_norm"], eps) if input_norm else None
     nq, nkv = cfg.num_heads * d, cfg.num_kv_heads * d
     packed = isinstance(lp.get("wqkv", lp.get("wq")), PackedWeight)
-    in_kernel = packed and "bq" not in lp and isinstance(rope, Rope)  # q, k rotated in the call
+    in_kernel = (packed and "bq" not in lp and "q_norm" not in lp  # q, k rotated in the call
+                 and isinstance(rope, Rope))
     rot = (lambda cols: (rope.cs, cols)) if in_kernel else (lambda cols: None)  # noqa: E731
     if "wqkv" in lp:  # side by side (`pack_layers`): one kernel call
         qkv = mm(x, lp["wqkv"], norm=norm, rope=rot(nq + nkv))
@@ -179,6 +185,8 @@ def decoder_layer(lp, cfg: ModelConfig, x, rope, attend, input_norm=True, rows=N
     if "bq" in lp:
         q, k, v = q + lp["bq"], k + lp["bk"], v + lp["bv"]
     q, k, v = (a.reshape(b, t, -1, d) for a in (q, k, v))
+    if "q_norm" in lp:  # Qwen3: each head's q and k RMS-normalised before RoPE
+        q, k = rms_norm(q, lp["q_norm"], eps), rms_norm(k, lp["k_norm"], eps)
     if not in_kernel:
         q, k = apply_rope(q, rope), apply_rope(k, rope)
     a = attend(q, k, v).reshape(b, t, nq)

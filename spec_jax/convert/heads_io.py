@@ -1,0 +1,457 @@
+"""Published draft heads in and out: EAGLE-1/2 (SafeAILab `cnets1.py`), EAGLE-3 (`cnets.py`),
+Medusa-1 (`medusa_lm_head.*`) and MTP modules inside a target checkpoint (DeepSeek-V3's
+`model.layers.{L+i}.*`, MiMo's `model.mtp_layers.{i}.*`) <-> spec_jax heads (heads/registry.py).
+
+`import_heads` maps every published tensor onto our params (linear weights transposed to [in, out])
+and checks each against the target's shapes first: a missing tensor, an unexpected one, or one
+whose shape does not fit the target is a one-line SpecJaxError naming it and both shapes, and
+nothing is written. Where the published head differs from a fresh spec_jax head, the difference is
+carried by what the params hold (EAGLE's fc bias as zeros when the file has none, q/k/v biases as
+`bq`/`bk`/`bv`, an MTP module's own output norm as `out_norm`, MiMo's [hidden; embedding] input
+projection as its rows swapped) or by an hparam (EAGLE `features` "post", MTP `features` "post").
+
+Safetensors are read here without PyTorch (only the tensors asked for); `pytorch_model.bin` /
+`*.pt` files only through `torch.load(..., weights_only=True)`, never unrestricted pickle.
+`spec_jax.convert.heads_export` writes our heads in the published layout.
+"""
+from __future__ import annotations
+
+import json
+import re
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from spec_jax.errors import SpecJaxError
+
+FORMATS = ("eagle", "eagle3", "medusa", "mtp")
+METHOD_OF = {"eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa", "mtp": "mtp"}
+
+
+# ---------------------------------------------------------------- reading tensors
+
+def _st_dtypes():
+    import ml_dtypes
+
+    return {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+            "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+            "BOOL": np.bool_}
+
+
+class Tensors:
+    """The tensors of a checkpoint directory (or one file), read only when asked for."""
+
+    def __init__(self, path: Path, prefer: tuple[str, ...] = ()):
+        path = Path(path)
+        if not path.exists():
+            raise SpecJaxError(f"{path} does not exist: pass the directory of the downloaded heads")
+        self.path = path
+        folder = path if path.is_dir() else path.parent
+        cfg = folder / "config.json"
+        self.config = json.loads(cfg.read_text()) if cfg.is_file() else {}
+        self._index: dict[str, tuple] = {}  # name -> (file, offset, nbytes, dtype, shape)
+        self._torch: dict[str, np.ndarray] = {}
+        if path.is_file():
+            files = [path]
+        else:
+            files = [path / p for p in prefer if (path / p).is_file()]
+            if not files:
+                files = sorted(path.glob("*.safetensors"))
+            if not files:
+                files = sorted(path.glob("pytorch_model*.bin")) or sorted(path.glob("*.pt")) \
+                    or sorted(path.glob("*.bin"))
+        if not files:
+            raise SpecJaxError(f"no weights in {path}: expected *.safetensors, pytorch_model.bin "
+                               "or *.pt files")
+        for f in files:
+            if f.suffix == ".safetensors":
+                self._read_header(f)
+            else:
+                self._torch.update(_torch_state(f))
+        self.files = files
+
+    def _read_header(self, f: Path):
+        dtypes = _st_dtypes()
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise SpecJaxError(f"{f} is not a safetensors file (too short)")
+            n = struct.unpack("<Q", head)[0]
+            try:
+                header = json.loads(fh.read(n))
+            except ValueError as e:
+                raise SpecJaxError(f"{f} is not a safetensors file ({e})") from None
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            if info["dtype"] not in dtypes:
+                raise SpecJaxError(f"{f}: tensor {name} has dtype {info['dtype']}, which spec_jax "
+                                   "does not read")
+            a, b = info["data_offsets"]
+            self._index[name] = (f, 8 + n + a, b - a, dtypes[info["dtype"]], tuple(info["shape"]))
+
+    def names(self) -> list[str]:
+        return sorted(set(self._index) | set(self._torch))
+
+    def __contains__(self, name) -> bool:
+        return name in self._index or name in self._torch
+
+    def shape(self, name) -> tuple:
+        if name in self._torch:
+            return tuple(self._torch[name].shape)
+        return self._index[name][4]
+
+    def get(self, name) -> np.ndarray:
+        if name in self._torch:
+            return self._torch[name]
+        f, off, nbytes, dt, shape = self._index[name]
+        with open(f, "rb") as fh:
+            fh.seek(off)
+            buf = fh.read(nbytes)
+        return np.frombuffer(buf, dtype=dt).reshape(shape).copy()
+
+
+def _torch_state(f: Path) -> dict[str, np.ndarray]:
+    """A PyTorch state dict read with `weights_only=True` (tensors and plain containers only)."""
+    try:
+        import torch
+    except ImportError:
+        raise SpecJaxError(f"{f.name} is a PyTorch file: reading it needs PyTorch (install the "
+                           "'torch' extra: pip install 'spec-jax[torch]'), or convert it to "
+                           "safetensors") from None
+    try:
+        state = torch.load(f, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - weights_only refuses anything but tensors
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise SpecJaxError(f"{f} could not be read as a PyTorch state dict with weights_only=True "
+                           f"({first})") from None
+    if isinstance(state, dict) and "state_dict" in state and isinstance(state["state_dict"], dict):
+        state = state["state_dict"]
+    if not isinstance(state, dict):
+        raise SpecJaxError(f"{f} holds a {type(state).__name__}, not a state dict of tensors")
+    out = {}
+    for k, v in state.items():
+        if not isinstance(v, torch.Tensor):
+            continue
+        v = v.detach().cpu()
+        if v.dtype == torch.bfloat16:
+            import ml_dtypes
+
+            out[k] = v.view(torch.int16).numpy().view(ml_dtypes.bfloat16).copy()
+        else:
+            out[k] = v.numpy().copy()
+    return out
+
+
+def _guess(names) -> str | None:
+    """Which published format tensor names look like (for error messages)."""
+    s = set(names)
+    if any(n.startswith("midlayer.") for n in s) or "d2t" in s:
+        return "eagle3"
+    if any(re.match(r"(medusa_head\.)?\d+\.\d+\.linear\.weight$", n) for n in s):
+        return "medusa"
+    if any(".enorm." in n or ".mtp_layers." in n for n in s):
+        return "mtp"
+    if "fc.weight" in s and any(n.startswith("layers.") for n in s):
+        return "eagle"
+    return None
+
+
+class _Reader:
+    """Takes tensors from `Tensors` with the shapes the target needs, as float arrays of `dtype`
+    (transposed to [in, out] where asked); remembers what it took."""
+
+    def __init__(self, src: Tensors, fmt: str, dtype, rename=None):
+        self.src, self.fmt, self.dtype = src, fmt, dtype
+        self.rename = rename or (lambda n: n)
+        self.used: set[str] = set()
+
+    def has(self, name) -> bool:
+        return self.rename(name) in self.src
+
+    def raw(self, name, shape) -> np.ndarray:
+        real = self.rename(name)
+        guess = _guess(self.src.names())
+        hint = (f": the file looks like {guess!r} heads, pass --format {guess}"
+                if guess and guess != self.fmt else "")
+        if real not in self.src:
+            raise SpecJaxError(f"{self.src.path} lacks tensor {real} ({self.fmt} heads need it, "
+                               f"shape {list(shape)}){hint}")
+        have = self.src.shape(real)
+        if tuple(have) != tuple(shape):
+            raise SpecJaxError(f"tensor {real} in {self.src.path} has shape {list(have)}, but "
+                               f"{self.fmt} heads for this target need {list(shape)}"
+                               + (hint or ": these heads were made for another target"))
+        self.used.add(real)
+        return self.src.get(real)
+
+    def take(self, name, shape, transpose=False) -> np.ndarray:
+        a = np.asarray(self.raw(name, shape), np.float32).astype(self.dtype)
+        return np.ascontiguousarray(a.T) if transpose else a
+
+    def check_embed(self, cfg):
+        """A copy of the target's embedding some files carry: it must at least have its shape."""
+        for name in ("embed_tokens.weight", "model.embed_tokens.weight"):
+            if name in self.src:
+                self.raw(name, (cfg.vocab_size, cfg.hidden_size))
+
+    def check_unused(self, allowed=()):
+        left = [n for n in self.src.names() if n not in self.used
+                and not any(re.fullmatch(p, n) for p in allowed)]
+        if left:
+            guess = _guess(left) if _guess(self.src.names()) != self.fmt else None
+            hint = f" (pass --format {guess}?)" if guess and guess != self.fmt else ""
+            more = f" and {len(left) - 1} more" if len(left) > 1 else ""
+            raise SpecJaxError(f"{self.src.path} holds tensor {left[0]} (shape "
+                               f"{list(self.src.shape(left[0]))}){more}, which {self.fmt} heads do "
+                               f"not have{hint}")
+
+
+def _check_config(conf: dict, cfg, fields: dict, fmt: str):
+    """Config fields of the published heads that must equal the target's."""
+    for key, want in fields.items():
+        if key in conf and conf[key] is not None and conf[key] != want:
+            raise SpecJaxError(f"the {fmt} heads' config.json has {key} {conf[key]}, but the target "
+                               f"has {want}: these heads were made for another target")
+
+
+def _layer(r: _Reader, pre: str, cfg, in_dim: int, inter: int, input_norm: str | None,
+           qkv_bias: bool | None = None) -> dict:
+    """One Llama decoder layer `pre`* as our unstacked layer dict (see heads.eagle.init_layer)."""
+    h = cfg.hidden_size
+    nq, nkv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    a = pre + "self_attn."
+    m = pre + "mlp."
+    p = {"wq": r.take(a + "q_proj.weight", (nq, in_dim), True),
+         "wk": r.take(a + "k_proj.weight", (nkv, in_dim), True),
+         "wv": r.take(a + "v_proj.weight", (nkv, in_dim), True),
+         "wo": r.take(a + "o_proj.weight", (h, nq), True),
+         "mlp_norm": r.take(pre + "post_attention_layernorm.weight", (h,)),
+         "w_gate": r.take(m + "gate_proj.weight", (inter, h), True),
+         "w_up": r.take(m + "up_proj.weight", (inter, h), True),
+         "w_down": r.take(m + "down_proj.weight", (h, inter), True)}
+    if input_norm:
+        p["attn_norm"] = r.take(pre + input_norm, (h,))
+    if qkv_bias or (qkv_bias is None and r.has(a + "q_proj.bias")):
+        p.update(bq=r.take(a + "q_proj.bias", (nq,)), bk=r.take(a + "k_proj.bias", (nkv,)),
+                 bv=r.take(a + "v_proj.bias", (nkv,)))
+    return p
+
+
+def _inter(r: _Reader, name: str, conf: dict, cfg) -> int:
+    if "intermediate_size" in conf:
+        return int(conf["intermediate_size"])
+    real = r.rename(name)
+    return int(r.src.shape(real)[0]) if real in r.src else cfg.intermediate_size
+
+
+# ---------------------------------------------------------------- per format
+
+def _import_eagle(src: Tensors, target, dtype):
+    from spec_jax.heads import eagle
+
+    cfg, conf = target.cfg, src.config
+    h = cfg.hidden_size
+    _check_config(conf, cfg, {"hidden_size": h, "num_attention_heads": cfg.num_heads,
+                              "num_key_value_heads": cfg.num_kv_heads,
+                              "vocab_size": cfg.vocab_size}, "eagle")
+    r = _Reader(src, "eagle", dtype)
+    n = conf.get("num_hidden_layers")
+    if n is None:
+        n = 1 + max([int(m.group(1)) for m in (re.match(r"layers\.(\d+)\.", k) for k in src.names())
+                     if m] or [0])
+    bias = conf.get("bias", "fc.bias" in src)
+    fc_w = r.take("fc.weight", (h, 2 * h), True)
+    fc_b = r.take("fc.bias", (h,)) if bias else np.zeros((h,), dtype)
+    qkv = conf.get("qkv_bias")
+    params = {"fc_w": fc_w, "fc_b": fc_b}
+    for i in range(int(n)):
+        pre = f"layers.{i}."
+        lp = _layer(r, pre, cfg, h, _inter(r, pre + "mlp.gate_proj.weight", conf, cfg),
+                    "input_layernorm.weight" if i else None, qkv)
+        params["layer" if i == 0 else f"layer_{i}"] = lp
+    r.check_embed(cfg)
+    r.check_unused(allowed=(ROTARY,))
+    hp = {**eagle.METHOD.defaults, "num_layers": int(n), "features": "post", "fc_bias": bool(bias)}
+    return params, hp
+
+
+def _import_eagle3(src: Tensors, target, dtype):
+    from spec_jax.heads import eagle3
+    from spec_jax.heads.vocab import vocab_maps
+
+    cfg, conf = target.cfg, src.config
+    h, v = cfg.hidden_size, cfg.vocab_size
+    _check_config(conf, cfg, {"hidden_size": h, "target_hidden_size": h,
+                              "num_attention_heads": cfg.num_heads,
+                              "num_key_value_heads": cfg.num_kv_heads, "vocab_size": v}, "eagle3")
+    mid = "midlayer." if any(k.startswith("midlayer.") for k in src.names()) or \
+        not any(k.startswith("layers.0.") for k in src.names()) else "layers.0."
+    r = _Reader(src, "eagle3", dtype)
+    vd = conf.get("draft_vocab_size")
+    if vd is None:
+        vd = src.shape("lm_head.weight")[0] if "lm_head.weight" in src else v
+    vd = int(vd)
+    if vd > v:
+        raise SpecJaxError(f"the eagle3 heads' draft vocabulary ({vd}) exceeds the target's "
+                           f"vocabulary ({v}): these heads were made for another target")
+    layer = _layer(r, mid, cfg, 2 * h, _inter(r, mid + "mlp.gate_proj.weight", conf, cfg), None,
+                   None)
+    layer["input_norm"] = r.take(mid + "input_layernorm.weight", (h,))
+    layer["hidden_norm"] = r.take(mid + "hidden_norm.weight", (h,))
+    params = {"fc_w": r.take("fc.weight", (h, 3 * h), True), "layer": layer,
+              "norm": r.take("norm.weight", (h,)),
+              "lm_head": r.take("lm_head.weight", (vd, h), True)}
+    if "d2t" in src or vd != v:
+        off = np.asarray(r.raw("d2t", (vd,)), np.int64)
+        ids = np.arange(vd, dtype=np.int64) + off
+        if ids.min() < 0 or ids.max() >= v or len(np.unique(ids)) != vd:
+            raise SpecJaxError(f"tensor d2t in {src.path} maps draft ids outside the target's "
+                               f"vocabulary of {v} or onto one id twice: not EAGLE-3 offsets")
+    else:
+        ids = np.arange(vd, dtype=np.int64)
+    if "t2d" in src:
+        t2d = np.asarray(r.raw("t2d", (v,)), bool)
+        if int(t2d.sum()) != vd or not t2d[ids].all():
+            raise SpecJaxError(f"tensors d2t and t2d in {src.path} disagree: t2d marks "
+                               f"{int(t2d.sum())} target ids, d2t maps {vd} others")
+    params.update({k: np.asarray(a) for k, a in vocab_maps(ids, v).items()})
+    r.check_embed(cfg)
+    r.check_unused(allowed=(ROTARY,))
+    hp = {**eagle3.METHOD.defaults, "draft_vocab": vd, "fused_layers": list(cfg.eagle3_layers)}
+    return params, hp
+
+
+def _import_medusa(src: Tensors, target, dtype):
+    cfg, conf = target.cfg, src.config
+    h, v = cfg.hidden_size, cfg.vocab_size
+    _check_config(conf, cfg, {"hidden_size": h, "vocab_size": v}, "medusa")
+    pre = "medusa_head." if any(k.startswith("medusa_head.") for k in src.names()) else ""
+    layers = int(conf.get("medusa_num_layers", 1))
+    if layers != 1:
+        raise SpecJaxError(f"the Medusa heads have medusa_num_layers {layers}: spec_jax's Medusa "
+                           "heads have one ResBlock each")
+    found = sorted({int(m.group(1)) for m in (re.match(re.escape(pre) + r"(\d+)\.", k)
+                                               for k in src.names()) if m})
+    k = len(found) if found else int(conf.get("medusa_num_heads", 0))
+    if k == 0:
+        raise SpecJaxError(f"{src.path} lacks tensor 0.0.linear.weight: no Medusa heads in it"
+                           + (f" (it looks like {_guess(src.names())!r} heads)"
+                              if _guess(src.names()) else ""))
+    r = _Reader(src, "medusa", dtype, rename=lambda n: pre + n)
+    params = {"w": np.stack([r.take(f"{i}.0.linear.weight", (h, h), True) for i in range(k)]),
+              "b": np.stack([r.take(f"{i}.0.linear.bias", (h,)) for i in range(k)]),
+              "lm_heads": np.stack([r.take(f"{i}.1.weight", (v, h), True) for i in range(k)])}
+    # a Medusa-2 checkpoint also holds the whole base model: only its medusa_head.* are heads
+    r.check_unused(allowed=(r"(?!medusa_head\.).*",) if pre else ())
+    return params, {"num_heads": k, "own_lm_heads": True}
+
+
+def _import_mtp(src: Tensors, target, dtype):
+    from spec_jax.heads import mtp
+    from spec_jax.models.llama import lm_head_weight
+
+    cfg, conf = target.cfg, src.config
+    h, v = cfg.hidden_size, cfg.vocab_size
+    names = src.names()
+    _check_config(conf, cfg, {"hidden_size": h, "vocab_size": v,
+                              "num_attention_heads": cfg.num_heads,
+                              "num_key_value_heads": cfg.num_kv_heads}, "mtp")
+    mimo = any(k.startswith("model.mtp_layers.") for k in names)
+    if mimo:
+        n = len({k.split(".")[2] for k in names if k.startswith("model.mtp_layers.")})
+        pres = [f"model.mtp_layers.{i}." for i in range(n)]
+    else:
+        n = conf.get("num_nextn_predict_layers")
+        base = int(conf.get("num_hidden_layers", cfg.num_layers))
+        if n is None:
+            n = 0
+            while f"model.layers.{base + n}.enorm.weight" in src:
+                n += 1
+        pres = [f"model.layers.{base + i}." for i in range(max(int(n), 1))]
+    r = _Reader(src, "mtp", dtype)
+    mods, out_norms = [], []
+    for pre in pres:
+        if mimo:
+            w = r.take(pre + "input_proj.weight", (h, 2 * h))  # [hidden; embedding] columns
+            m = {"enorm": r.take(pre + "token_layernorm.weight", (h,)),
+                 "hnorm": r.take(pre + "hidden_layernorm.weight", (h,)),
+                 "eh_proj": np.ascontiguousarray(np.concatenate([w[:, h:].T, w[:, :h].T])),
+                 }
+            out = pre + "final_layernorm.weight"
+        else:
+            m = {"enorm": r.take(pre + "enorm.weight", (h,)),
+                 "hnorm": r.take(pre + "hnorm.weight", (h,)),
+                 "eh_proj": r.take(pre + "eh_proj.weight", (h, 2 * h), True)}
+            out = pre + "shared_head.norm.weight"
+            head = pre + "shared_head.head.weight"
+            if head in src:
+                mine = np.asarray(r.take(head, (v, h), True), np.float32)
+                theirs = np.asarray(lm_head_weight(target.params), np.float32)
+                if not np.array_equal(mine, theirs):
+                    raise SpecJaxError(f"tensor {head} in {src.path} is not the target's LM head: "
+                                       "spec_jax's MTP modules share the target's")
+        m["layer"] = _layer(r, pre, cfg, h, _inter(r, pre + "mlp.gate_proj.weight", conf, cfg),
+                            "input_layernorm.weight")
+        out_norms.append((out, r.take(out, (h,))))
+        mods.append(m)
+    for name, a in out_norms[1:]:
+        if not np.array_equal(a, out_norms[0][1]):
+            raise SpecJaxError(f"tensor {name} differs from {out_norms[0][0]}: spec_jax's MTP "
+                               "modules share one output norm; import fewer modules")
+    keys = set(mods[0]["layer"])
+    if any(set(m["layer"]) != keys for m in mods):
+        raise SpecJaxError("the MTP modules differ in their q/k/v biases")
+    stack = lambda *a: np.stack(a)  # noqa: E731
+    import jax
+
+    params = {"modules": jax.tree.map(stack, *mods), "out_norm": out_norms[0][1]}
+    hp = {**mtp.METHOD.defaults, "num_modules": len(mods), "features": "post"}
+    return params, hp
+
+
+ROTARY = r".*rotary_emb\.inv_freq"  # a buffer older transformers versions saved
+
+
+IMPORTERS = {"eagle": _import_eagle, "eagle3": _import_eagle3, "medusa": _import_medusa,
+             "mtp": _import_mtp}
+PREFER = {"eagle": ("model.safetensors", "pytorch_model.bin"),
+          "eagle3": ("model.safetensors", "pytorch_model.bin"),
+          "medusa": ("medusa_lm_head.safetensors", "medusa_lm_head.pt"), "mtp": ()}
+
+
+def _check_format(fmt: str, choices=FORMATS):
+    if fmt not in choices:
+        raise SpecJaxError(f"unknown heads format {fmt!r}: choose one of {', '.join(choices)}")
+
+
+def _as_target(target):
+    if isinstance(target, (str, Path)):
+        from spec_jax.target import load_target
+
+        return load_target(target, layers="scan")
+    return target
+
+
+def import_heads(fmt: str, src, target, out=None, force: bool = False):
+    """Published heads of `fmt` (eagle, eagle3, medusa, mtp) in `src` (a directory or a file)
+    for `target` (a Target or its checkpoint directory) -> DraftHeads; saved to `out` (atomically:
+    nothing is written unless every tensor fits) when given."""
+    import jax.numpy as jnp
+
+    from spec_jax.heads.registry import DraftHeads, save_draft
+
+    _check_format(fmt)
+    target = _as_target(target)
+    tensors = Tensors(Path(src), PREFER[fmt])
+    params, hp = IMPORTERS[fmt](tensors, target, jnp.dtype(target.cfg.dtype))
+    hp["published"] = {"format": fmt, "config": tensors.config}
+    import jax
+
+    params = jax.tree.map(jnp.asarray, params)
+    heads = DraftHeads(method=METHOD_OF[fmt], params=params, hparams=hp,
+                       target_info=target.identity(), tcfg=target.cfg)
+    if out is not None:
+        save_draft(heads, out, force=force)
+    return heads
