@@ -1,6 +1,10 @@
 import os
 from pathlib import Path
 
+# the tests run on CPU; with libtpu installed (TPU compile tests), JAX would probe for a TPU first
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+
 import pytest
 
 import spec_jax  # noqa: F401  (applies the XLA CPU defaults before JAX starts)

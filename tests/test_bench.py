@@ -235,8 +235,7 @@ def test_rank_profile_for_every_method(tiny_target, method):
 def test_a_limited_run_spreads_over_the_categories():
     """--limit takes prompts in turn from each category: MT-bench's first 10 prompts are all
     `writing`, so the first N would measure one category, not the set."""
-    from spec_jax.data import Prompt, read_prompts, spread
-    from spec_jax.data import prompt_set
+    from spec_jax.data import Prompt, prompt_set, read_prompts, spread
 
     ps = [Prompt("s", str(i), c, f"{c}{i}") for i, c in enumerate("aaaabbc")]
     assert [p.text for p in spread(ps, 5)] == ["a0", "b4", "c6", "a1", "b5"]
@@ -604,8 +603,7 @@ def test_a_multi_turn_prompt_is_played_as_its_conversation(tiny_target, monkeypa
 
 
 def test_mt_bench_records_keep_both_turns():
-    from spec_jax.data import conversation, read_prompts
-    from spec_jax.data import prompt_set
+    from spec_jax.data import conversation, prompt_set, read_prompts
 
     mt = read_prompts(prompt_set("mt_bench"))
     assert len(mt) == 80 and all(len(p.turns) == 2 and p.text == p.turns[0] for p in mt)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import spec_jax
-from spec_jax.errors import SpecJaxError
 from spec_jax.data import prompt_set
+from spec_jax.errors import SpecJaxError
 from tests.conftest import ROOT, SMOLLM2
 
 pytestmark = pytest.mark.smollm2

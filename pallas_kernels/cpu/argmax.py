@@ -19,8 +19,17 @@ def argmax(x):
     """x [..., V] -> int32 [...]: the index of each row's maximum."""
     v = x.shape[-1]
     rows = int(np.prod(x.shape[:-1], dtype=np.int64))
-    if x.dtype != jnp.float32 or rows == 0 or v == 0 or not build.available():
+    def xla(x):
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
-    y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows,), jnp.int32),
-                         vmap_method="sequential")(jax.lax.stop_gradient(x).reshape(rows, v))
-    return y.reshape(x.shape[:-1])
+
+    if x.dtype != jnp.float32 or rows == 0 or v == 0 or not build.available():
+        return xla(x)
+
+    def kernel(x):
+        y = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((rows,), jnp.int32),
+                             vmap_method="sequential")(jax.lax.stop_gradient(x).reshape(rows, v))
+        return y.reshape(x.shape[:-1])
+
+    # the platform a program is lowered for picks: a CPU process compiling for TPU or GPU (ahead
+    # of time, spec_jax.plan) gets XLA's argmax there
+    return jax.lax.platform_dependent(x, cpu=kernel, default=xla)
