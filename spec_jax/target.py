@@ -384,6 +384,7 @@ def packed_cached(path: Path, params, cfg: ModelConfig):
             if w.scales is not None:
                 arrays[prefix + "/scales"] = np.asarray(w.scales)
     tmp = file.with_suffix(f".tmp{os.getpid()}.npz")  # atomic: a reader never sees half a file
+    _drop_orphans(file)
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
         np.savez(tmp, **arrays)
@@ -393,6 +394,20 @@ def packed_cached(path: Path, params, cfg: ModelConfig):
     finally:
         tmp.unlink(missing_ok=True)
     return packed
+
+
+def _drop_orphans(file: Path) -> None:
+    """Remove the temporaries of writes of `file` whose process died midway (`NAME.tmpPID.npz`)."""
+    for tmp in file.parent.glob(file.stem + ".tmp*.npz"):
+        pid = tmp.name[len(file.stem) + 4:-4]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            tmp.unlink(missing_ok=True)
+        except OSError:  # alive, another user's
+            pass
 
 
 def _packed_cache_file(path: Path) -> Path:

@@ -395,3 +395,19 @@ def test_truncated_kernel_library_is_rebuilt(tmp_path):
     assert again.returncode == 0, again.stderr
     assert again.stdout.split()[-1] == str(lib) and "unavailable" not in again.stderr
     assert build._intact(lib) and lib.stat().st_size > size // 2
+
+
+def test_a_packed_cache_write_killed_midway_leaves_no_orphan(tmp_path):
+    """The temporary of a packed-weight cache write whose process died is removed by the next
+    write of that cache; a live writer's is kept."""
+    import os
+
+    from spec_jax.target import _drop_orphans
+
+    file = tmp_path / "abc.npz"
+    dead = tmp_path / "abc.tmp999999999.npz"  # no such process
+    live = tmp_path / f"abc.tmp{os.getppid()}.npz"
+    for f in (dead, live):
+        f.write_bytes(b"half a file")
+    _drop_orphans(file)
+    assert not dead.exists() and live.exists()

@@ -29,6 +29,21 @@ def test_writers_side_by_side_keep_every_entry(tmp_path, monkeypatch):
         [cache_file().name + ".lock"]
 
 
+def test_two_processes_hammering_the_cache_keep_every_entry(tmp_path):
+    """Two processes storing 300 entries each at once: valid JSON holding all 600."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom spec_jax.sizing import _store\n"
+            "for i in range(300):\n    _store(f'{sys.argv[1]}-{i}', {'tree': [[0]], 'i': i})\n")
+    env = {**os.environ, "SPEC_JAX_CACHE": str(tmp_path)}
+    procs = [subprocess.Popen([sys.executable, "-c", code, name], env=env) for name in "ab"]
+    assert [p.wait(timeout=600) for p in procs] == [0, 0]
+    entries = json.loads((tmp_path / "trees-v8.json").read_text())
+    assert sorted(entries) == sorted(f"{n}-{i}" for n in "ab" for i in range(300))
+
+
 def test_a_damaged_cache_reads_as_empty_once_warned_and_is_rewritten(tmp_path, monkeypatch):
     from spec_jax.sizing import _cache, _store, cache_file
 
