@@ -4,6 +4,7 @@ from pathlib import Path
 # the tests run on CPU; with libtpu installed (TPU compile tests), JAX would probe for a TPU first
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: processes share libtpu
 
 import pytest
 

@@ -2,7 +2,7 @@
 PYTHONPATH=<checkout> to compare two versions). SmolLM2, 8 MT-bench prompts spread over the
 categories, 128 new tokens, temperature 0.7; EAGLE with the tree sized for batch 1 (greedy sizing,
 cached, or read from the JSON file given as the first argument: eagle_b1_tree.json beside this
-script is the switch this session's cache held); batches of 1 and 8, top_p 1.0 and 0.9. Run from
+script is the switch this run's cache held); batches of 1 and 8, top_p 1.0 and 0.9. Run from
 the repository root after `bash scripts/main.sh`."""
 import json
 import sys

@@ -1,5 +1,5 @@
-"""Sampled decoding speed with the verification of session 27 (verify_before.py: a walk over the
-tree's children with full-vocabulary updates, Gumbel sampling over V) and of session 28 (closed-form
+"""Sampled decoding speed with the verification of run 27 (verify_before.py: a walk over the
+tree's children with full-vocabulary updates, Gumbel sampling over V) and of run 28 (closed-form
 picks over [B, T, K], two-level inverse-CDF sampling, nucleus from the top 64). SmolLM2, 8 MT-bench
 prompts spread over the categories, 128 new tokens, temperature 0.7; EAGLE with the tree sized for
 batch 1 (greedy sizing, cached). Run from the repository root after `bash scripts/main.sh`;
