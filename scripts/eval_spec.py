@@ -9,7 +9,7 @@ over all prompts would take hours on 2 CPU cores). With --temperature > 0 it sam
 a set with seed --seed + j) and reports tau only: sampled output is not comparable token for token.
 A multi-turn prompt's later turns are asked after the answers to the turns before it (plain
 decoding's, or with --tau-only the drafter's own), as the EAGLE and Medusa evaluations play
-MT-bench; --turns first asks first turns only (what sessions before the fifty-fourth reported).
+MT-bench; --turns first asks first turns only (what runs before run 54 reported).
 
     python scripts/eval_spec.py --drafts ngram random:eagle random:eagle3 random:medusa random:mtp --rotate
     python scripts/eval_spec.py --drafts checkpoints/smollm2-135m-instruct-eagle --limit 20

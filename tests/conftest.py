@@ -22,7 +22,7 @@ def tiny_config(**kw) -> ModelConfig:
     return ModelConfig(**base)
 
 
-SHARED_TARGETS = pytest.StashKey[list]()  # session targets whose compiled programs are dropped
+SHARED_TARGETS = pytest.StashKey[list]()  # shared targets whose compiled programs are dropped
 
 
 def _shared(request, target):

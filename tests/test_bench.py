@@ -207,7 +207,7 @@ def test_a_near_tie_goes_to_the_higher_tau():
     small = [[0], [0, 0], [1]]
     graft = {"base": small, "ngram": 4}
     ds = {"base": small, "ngram": 4, "ds": 4}
-    # the session-14 EAGLE-3 case: the ungrafted tree 3% faster in one run, the graft's tau higher
+    # the run-14 EAGLE-3 case: the ungrafted tree 3% faster in one run, the graft's tau higher
     runs = [m(PLAIN, 1.0, 49.2, 46.4), m(graft, 2.05, 70.3, 68.2), m(small, 1.73, 72.2, 62.8)]
     assert pick_winner(runs)["tree"] == graft
     # a lead beyond the noise still wins whatever its tau

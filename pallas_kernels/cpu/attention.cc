@@ -236,7 +236,7 @@ void weighted_group(const float* e, const float* const* v, int64_t nv, const std
   }
   // block keys (few): lane by lane, each chain continued from where the cache keys left it.
   // Stored first on purpose: continuing a[][] in registers through this data-dependent loop
-  // measured 1.3-1.5x slower for the whole call at 4-8 block tokens (thirty-eighth session).
+  // measured 1.3-1.5x slower for the whole call at 4-8 block tokens (run 38).
   for (int q = 0; q < QB; ++q) {
     v16 b[DV];
     bool any = false;

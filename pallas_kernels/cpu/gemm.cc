@@ -44,7 +44,7 @@ namespace {
 // EPYC, SmolLM2's whole forward (sizing.verify_latency, best of 3 x 6, five processes each way):
 // T = 8 tokens 15.3-16.6 ms with 32 rows ahead against 17.0-19.9 without, T = 4 13.7-14.2
 // against 13.9-16.7, T = 1 unchanged (~12 ms).
-// AVX-512 also prefetches into L2 kFar times as far ahead (fifty-second session): the L1 prefetch
+// AVX-512 also prefetches into L2 kFar times as far ahead (run 52): the L1 prefetch
 // alone leaves a tile of 8-12 rows, whose FMAs take longer than the row's load, short of lines in
 // flight. A [576, 1536] float32 matrix streamed from memory, 60 distinct per pass, best of 8, four
 // rounds alternating processes, us for 1 / 8 / 12 rows: 111.0-112.5 / 111.5-113.9 / 124.0-131.6
@@ -128,7 +128,7 @@ inline void load_row(const Nib* w, vec* wv) {
 // element. Codes: per block of kBlock rows of K, the chain sum_k x[t, k] * q[k] in registers, then
 // y += d * that + m * xsum[t, block] (xsum: the block's sum of x, `block_sums`), so a weight costs
 // its conversion and the row's FMA instead of also the d * q + m one: a row of codes is
-// arithmetic-bound, not stream-bound (forty-fourth session: a one-token pass 5.8 -> 5.3 ms).
+// arithmetic-bound, not stream-bound (run 44: a one-token pass 5.8 -> 5.3 ms).
 // `scales` ([K / kBlock, 2, kPanel] float16: d, then m) and `xsum` ([TB][K / kBlock]) are read for
 // code panels only.
 template <int TB, typename W>

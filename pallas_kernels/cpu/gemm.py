@@ -41,8 +41,8 @@ LM-head products, SwiGLU before the down product, RoPE on the q and k columns of
 product, and the residual add after the o and down products (`spec_jax.models.llama
 .decoder_layer`). Each row is transformed alone, so rows stay independent of each other. They
 replace 9 of the 14 XLA fusions a layer had: SmolLM2's float32 forward spent 0.91-0.93 ms in
-fusions at 8 tokens and 0.34-0.36 at one token, 0.20-0.21 and 0.10-0.14 with both (fifty-third
-session, docs/benchmarks.md).
+fusions at 8 tokens and 0.34-0.36 at one token, 0.20-0.21 and 0.10-0.14 with both (run 53,
+docs/benchmarks.md).
 
 The kernel is built with g++ on first use (`build`); without a compiler, `available()` is
 False and callers keep XLA's dot: nothing is lost but the speed.

@@ -122,7 +122,7 @@ def pick_winner(measured: list[dict]) -> dict:
     Leads smaller than this host's noise — max(DS_MARGIN, the median relative spread between each
     candidate's two runs) — do not decide: among the speculative candidates within that margin of
     the fastest, the one with the highest tau wins. Tau is measured exactly, so the choice no
-    longer flips between calibrations on a 3% tie (one session's EAGLE-3 sizing dropped the n-gram
+    longer flips between calibrations on a 3% tie (one run's EAGLE-3 sizing dropped the n-gram
     graft on such a tie and lost 15% on MT-bench), and on a tie the candidate that needs fewer
     target passes is the better bet on a loaded or slower machine. Plain decoding wins only as the
     outright fastest. A datastore graft must beat the fastest choice without one by more than the
