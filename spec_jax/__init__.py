@@ -6,7 +6,7 @@ _apply_xla_defaults()
 
 from spec_jax.config import ModelConfig
 from spec_jax.errors import SpecJaxError
-from spec_jax.generate import GenerationResult, generate, generate_batch
+from spec_jax.generate import GenerationResult, TextStream, generate, generate_batch, stream
 from spec_jax.target import Target, load_target, random_target
 
 
@@ -57,4 +57,5 @@ def load_datastore(path):
 
 __all__ = ["GenerationResult", "ModelConfig", "SpecJaxError", "Target", "draft_logits",
            "enable_compilation_cache", "export_heads", "generate", "generate_batch", "import_heads",
-           "init_draft", "load_datastore", "load_draft", "load_target", "random_target"]
+           "init_draft", "load_datastore", "load_draft", "load_target", "random_target", "stream",
+           "TextStream"]

@@ -27,8 +27,8 @@ DEMO_PROMPTS = [
 def _draft_arg(target, draft: str | None):
     if draft in (None, "none", "plain"):
         return None
-    if draft == "ngram":
-        return "ngram"
+    if draft in ("ngram", "mtp"):  # "mtp": the target's own MTP layers, converted beside it
+        return draft
     if draft.startswith("random:"):
         import spec_jax
 
@@ -48,7 +48,7 @@ def cmd_fetch(a):
 def cmd_convert(a):
     from spec_jax.convert.hf import convert_hf
 
-    out = convert_hf(a.hf, a.out, dtype=a.dtype, force=a.force)
+    out = convert_hf(a.hf, a.out, dtype=a.dtype, force=a.force, mtp=not a.no_mtp)
     print(f"wrote {out}")
 
 
@@ -86,18 +86,33 @@ def cmd_generate(a):
     if a.tree is not None and a.draft is None:  # the tree would be ignored: plain decoding
         raise SpecJaxError(f"--tree {a.tree} needs a drafter: pass --draft HEADS_DIR or --draft "
                            "ngram (without --draft, generate decodes plainly)")
+    if a.stream and (a.json or a.show_accepted):
+        other = "--json" if a.json else "--show-accepted"
+        raise SpecJaxError(f"--stream prints the text as it comes: drop {other} (it prints the "
+                           "text at the end)")
     prompt = _argv_text(a.prompt, "--prompt")
     target = spec_jax.load_target(a.model)
     draft = _draft_arg(target, a.draft)
     ds = spec_jax.load_datastore(a.datastore) if a.datastore else None
-    r = spec_jax.generate(target, prompt, max_new_tokens=a.max_new_tokens,
-                          temperature=a.temperature, top_p=a.top_p, seed=a.seed, chat=not a.no_chat,
-                          draft=draft, tree=a.tree, attn_impl=a.attn_impl, datastore=ds,
-                          fallback=not a.no_fallback)
+    options = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
+                   seed=a.seed, chat=not a.no_chat, draft=draft, tree=a.tree,
+                   attn_impl=a.attn_impl, datastore=ds, fallback=not a.no_fallback)
+    if a.stream:
+        pieces = spec_jax.stream(target, prompt, **options)
+        for piece in pieces:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        r = pieces.result
+    else:
+        r = spec_jax.generate(target, prompt, **options)
     if a.json:
         print(json.dumps({"text": r.text, "token_ids": r.token_ids, "stats": r.stats}))
     else:
-        print(r.text)
+        if a.show_accepted:
+            colour = sys.stdout.isatty() or bool(os.environ.get("FORCE_COLOR"))
+            print(_coloured_steps(r, colour=colour))
+        else:
+            print("" if a.stream else r.text)
         s = r.stats
         print(f"[{s['new_tokens']} tokens, {s['tokens_per_second']:.1f} tok/s, "
               f"{s['mean_accepted']:.2f} tokens/target call, finish={s['finish_reason']}]",
@@ -105,6 +120,20 @@ def cmd_generate(a):
     if r.stats.get("error"):
         print(f"spec-jax: error: {r.stats['error']}", file=sys.stderr)
         return 2
+
+
+ACCEPTED_COLOUR, RESET = "\033[32m", "\033[0m"  # accepted draft tokens: green
+
+
+def _coloured_steps(r, colour: bool = True) -> str:
+    """The text with each step's accepted draft tokens in green (in [brackets] where `colour` is
+    off: output to a file or a pipe)."""
+    parts = []
+    for accepted, own in r.steps():
+        if accepted:
+            parts.append(f"{ACCEPTED_COLOUR}{accepted}{RESET}" if colour else f"[{accepted}]")
+        parts.append(own)
+    return "".join(parts)
 
 
 def cmd_demo(a):
@@ -236,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--out", required=True)
     c.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     c.add_argument("--force", action="store_true")
+    c.add_argument("--no-mtp", action="store_true", help="leave out the MTP layers a checkpoint "
+                   "ships (kept by default as OUT/mtp/ heads, for generate(draft='mtp'))")
     c.set_defaults(fn=cmd_convert)
 
     ih = sub.add_parser("import-heads", help="published draft heads (EAGLE, EAGLE-3, Medusa, "
@@ -284,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "measured that it pays, a request takes plain steps while its trees accept "
                         "fewer tokens than they cost)")
     g.add_argument("--json", action="store_true")
+    g.add_argument("--stream", action="store_true", help="print the text as it is generated")
+    g.add_argument("--show-accepted", action="store_true",
+                   help="print the text with the draft tokens the target accepted in green (in "
+                        "[brackets] when the output is not a terminal)")
     g.set_defaults(fn=cmd_generate)
 
     d = sub.add_parser("demo", help="fetch SmolLM2 if needed, then decode sample prompts")

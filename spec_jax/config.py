@@ -13,6 +13,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",  # Qwen2's layout + a per-head RMSNorm of q and k (q_norm, k_norm)
+    "MiMoForCausalLM": "qwen2",  # Qwen2's decoder; its MTP layers (model.mtp_layers.*) as heads
 }
 
 

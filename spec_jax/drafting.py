@@ -19,15 +19,37 @@ from spec_jax.heads.ngram import NgramDrafter
 from spec_jax.heads.registry import DraftHeads
 from spec_jax.tree_spec import Auto, Default, Dynamic, Plain, Static, Switch, TreeSpec, parse
 
-DRAFTS = "'ngram', heads from spec_jax.init_draft / spec_jax.load_draft, or None for plain decoding"
+DRAFTS = ("'ngram', 'mtp' (the target's own MTP layers), heads from spec_jax.init_draft / "
+          "spec_jax.load_draft, or None for plain decoding")
+OWN_HEADS = "mtp"  # the folder of a converted target holding its MTP layers (convert/hf.py)
 
 
 def check_draft(draft) -> None:
-    """Raise SpecJaxError unless `draft` is None, "none", "ngram" or DraftHeads."""
+    """Raise SpecJaxError unless `draft` is None, "none", "ngram", "mtp" or DraftHeads."""
     if draft is None or isinstance(draft, DraftHeads) or (isinstance(draft, str)
-                                                          and draft in ("none", "ngram")):
+                                                          and draft in ("none", "ngram", "mtp")):
         return
     raise SpecJaxError(f"unknown draft {draft!r}: pass {DRAFTS}")
+
+
+def own_heads(target, draft):
+    """`draft`, except "mtp": the MTP heads that `spec-jax convert` wrote beside the target from
+    the MTP layers its checkpoint ships (`OUT/mtp/`), loaded once per target."""
+    if not (isinstance(draft, str) and draft == "mtp"):
+        return draft
+    heads = target.own_heads.get("mtp")
+    if heads is None:
+        from spec_jax.heads.registry import load_draft
+
+        folder = None if target.path is None else target.path / OWN_HEADS
+        if folder is None or not folder.is_dir():
+            where = "this target" if target.path is None else f"the target at {target.path}"
+            raise SpecJaxError(f"{where} has no MTP layers of its own (no {OWN_HEADS}/ folder "
+                               "beside its params): draft='mtp' needs a target that `spec-jax "
+                               "convert` made from a checkpoint shipping MTP layers (MiMo, "
+                               "DeepSeek-V3 naming); pass heads or 'ngram' instead")
+        heads = target.own_heads["mtp"] = load_draft(folder)
+    return heads
 
 
 def is_plain(draft) -> bool:
@@ -46,6 +68,7 @@ def build(target, draft, spec: TreeSpec | str | None = None, datastore=None,
     grafted on (`spec.ds` tokens, 8 if it does not say; 0: none)."""
     spec = parse(spec)
     check_draft(draft)
+    draft = own_heads(target, draft)
     base = spec.base
     if isinstance(base, Auto):
         raise SpecJaxError("tree 'auto' is sized first: resolve it with spec_jax.sizing.resolve")

@@ -19,6 +19,7 @@ from spec_jax.heads.base import Drafter
 from spec_jax.step import (
     FINISH_ERROR,
     FINISH_LENGTH,
+    FINISH_RUNNING,
     FINISH_STOP,
     LoopSettings,
     compiled_loop,
@@ -36,7 +37,23 @@ NONFINITE = ("the target's logits turned non-finite (NaN or inf): the row stoppe
 # memory", then a segfault).
 MAX_LOOPS = 24
 PROMPT_STEP = 64  # prompts are padded to a multiple of this: one prefill program per bucket
+UNLIMITED = np.iinfo(np.int32).max  # the loop's step budget when it runs to the end in one call
 SLOT_STEP = 512  # cache slots are a multiple of this: the compiled loop is shared across prompts
+
+
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """A batch ready to run (`prepare`): its compiled prefill and loop and their inputs. It runs
+    once (`run_prepared` or `run_chunks`): the prefill takes its cache's buffers."""
+
+    target: Target
+    ids: list[list[int]]
+    drafter: Drafter
+    dparams: Any
+    prefill: Any  # compiled: args -> the loop's start state
+    loop: Any  # compiled: (params, dparams, state, temperature, top_p, row_max, budget) -> state
+    args: tuple  # the prefill's inputs; args[6:] the loop's per-row settings
+    compile_seconds: float
 
 
 @dataclasses.dataclass
@@ -44,6 +61,68 @@ class GenerationResult:
     token_ids: list[int]
     text: str
     stats: dict[str, Any]
+    # per token: True where it was a draft token the target accepted (False: a step's own token)
+    drafted: list[bool] = dataclasses.field(default_factory=list, repr=False)
+    # the target's decode (ids -> text) for `steps`: an attribute, not a field, so that asdict,
+    # comparisons and pickles leave the target out (without it, ids are joined as text)
+    _decode = None
+
+    def __getstate__(self):
+        return {k: v for k, v in self.__dict__.items() if k != "_decode"}
+
+    def steps(self) -> list[tuple[str, str]]:
+        """The text step by step: (accepted draft text, the step's own token's text) per target
+        call (the prefill's first). The pieces joined are `text`; where a piece's characters
+        straddle tokens (bytes of one character in several), they go to the later piece."""
+        pieces = token_pieces(self._decode or (lambda ids: " ".join(map(str, ids))),
+                              self.token_ids, self.text)
+        drafted = self.drafted if len(self.drafted) == len(pieces) else [False] * len(pieces)
+        steps, accepted = [], ""
+        for piece, d in zip(pieces, drafted):
+            if d:
+                accepted += piece
+            else:
+                steps.append((accepted, piece))
+                accepted = ""
+        if accepted:  # the output ended inside a step (at EOS or the limit)
+            steps.append((accepted, ""))
+        return steps
+
+    def _repr_html_(self) -> str:
+        """The text with each step's accepted draft tokens highlighted (Jupyter shows this)."""
+        import html
+
+        parts = []
+        for accepted, own in self.steps():
+            if accepted:
+                parts.append(f'<span style="background:#c8e6c9" title="accepted draft tokens">'
+                             f'{html.escape(accepted)}</span>')
+            parts.append(html.escape(own))
+        s = self.stats
+        summary = (f"{s.get('new_tokens', len(self.token_ids))} tokens, "
+                   f"{s.get('mean_accepted', 0.0):.2f} per target call, "
+                   f"{s.get('method', '')}, finish={s.get('finish_reason', '')}")
+        return (f'<div style="white-space:pre-wrap;font-family:monospace">{"".join(parts)}</div>'
+                f'<div style="color:#666;font-size:smaller">{html.escape(summary)}; '
+                f'<span style="background:#c8e6c9">highlighted</span>: accepted draft tokens</div>')
+
+
+def token_pieces(decode, ids: Sequence[int], text: str) -> list[str]:
+    """`text` (decode(ids)) cut at its tokens: piece i is what token i adds to the decoded prefix
+    (empty while the token's character is incomplete); one piece, the whole text, at the end
+    where the prefixes do not add up to it (a tokenizer that rewrites earlier text)."""
+    pieces, prev = [], ""
+    for i in range(len(ids)):
+        cur = decode(list(ids[:i + 1])) if i + 1 < len(ids) else text
+        cur = cur.rstrip("\ufffd") if i + 1 < len(ids) else cur
+        if len(cur) > len(prev) and cur.startswith(prev):
+            pieces.append(cur[len(prev):])
+            prev = cur
+        else:
+            pieces.append("")
+    if "".join(pieces) != text:
+        pieces = [""] * (len(ids) - 1) + [text] if ids else []
+    return pieces
 
 
 def bucket(n: int, step: int) -> int:
@@ -128,13 +207,14 @@ def check_settings(b: int, max_new_tokens, temperature, top_p):
     return row_max, temps, top_ps
 
 
-def run(target: Target, ids: Sequence[Sequence[int]], drafter: Drafter, dparams: Any, row_max,
-        temps, top_ps, seed=0, *, attn_impl: str = "auto", stop_at_eos: bool = True,
-        accept_rule: str = "exact", precision: str | None = None,
-        fallback: Fallback | None = None) -> list[GenerationResult]:
-    """Decode a batch of encoded prompts `ids` with `drafter` (its params `dparams`), row limits
-    and sampling settings as `check_settings` gives them; `fallback` takes plain steps where a
-    row's trees do not pay. Returns one GenerationResult per row."""
+def prepare(target: Target, ids: Sequence[Sequence[int]], drafter: Drafter, dparams: Any, row_max,
+            temps, top_ps, seed=0, *, attn_impl: str = "auto", stop_at_eos: bool = True,
+            accept_rule: str = "exact", precision: str | None = None,
+            fallback: Fallback | None = None) -> Prepared:
+    """The compiled prefill and loop for a batch of encoded prompts `ids` with `drafter` (its
+    params `dparams`), row limits and sampling settings as `check_settings` gives them (compiled
+    now where not yet), and their inputs; `fallback` takes plain steps where a row's trees do not
+    pay. Nothing runs yet: `run` runs it in one call, `run_chunks` a few steps at a time."""
     b = len(ids)
     max_new = int(row_max.max())
     p_len = max(len(x) for x in ids)
@@ -177,18 +257,75 @@ def run(target: Target, ids: Sequence[Sequence[int]], drafter: Drafter, dparams:
     def lower_loop():  # against the state's shapes (the compiled prefill's outputs, so it is
         # not traced again): they do not depend on the prompt's length
         return compiled_loop(target.cfg, drafter, settings).lower(
-            target.params, dparams, run_prefill.out_info, *rest)
+            target.params, dparams, run_prefill.out_info, *rest,
+            jax.ShapeDtypeStruct((), jnp.int32))  # the step budget
 
     run_loop, c2 = _compiled(target, ("loop", drafter, settings, b, n_slots, dsig, precision),
                              precision, lower_loop)
-    compile_s = c1 + c2
+    return Prepared(target=target, ids=[list(x) for x in ids], drafter=drafter, dparams=dparams,
+                    prefill=run_prefill, loop=run_loop, args=args, compile_seconds=c1 + c2)
+
+
+def run(target: Target, ids: Sequence[Sequence[int]], drafter: Drafter, dparams: Any, row_max,
+        temps, top_ps, seed=0, **options) -> list[GenerationResult]:
+    """Decode a batch of encoded prompts `ids` with `drafter` (its params `dparams`), row limits
+    and sampling settings as `check_settings` gives them, `options` as `prepare` takes them.
+    Returns one GenerationResult per row."""
+    return run_prepared(prepare(target, ids, drafter, dparams, row_max, temps, top_ps, seed,
+                                **options))
+
+
+def run_prepared(p: Prepared) -> list[GenerationResult]:
+    """Run `p` to the end in one call of its loop (no step budget)."""
     t0 = time.perf_counter()
-    final = jax.block_until_ready(run_loop(target.params, dparams, run_prefill(*args), *rest))
-    wall = time.perf_counter() - t0
-    out, n_out, finish, hist = map(np.asarray, (final.out, final.n_out, final.finish, final.hist))
+    final = jax.block_until_ready(p.loop(p.target.params, p.dparams, p.prefill(*p.args),
+                                         *p.args[6:], jnp.int32(UNLIMITED)))
+    return results(p, final, time.perf_counter() - t0)
+
+
+def run_chunks(p: Prepared, interval: float = 0.1):
+    """Run `p` a few steps at a time: the same compiled loop with a step budget, its state
+    donated back in for the next chunk. Yields after the prefill's first chunk and each one after:
+    (tokens [B, N + D + 1], n_out [B]) as host arrays (the first n_out of each row are its tokens
+    so far); returns the results (`StopIteration.value`), whose wall time is the chunks' own
+    (the consumer's time between chunks is not counted).
+
+    A chunk runs 1 step first and at most twice the last one's steps after, as many as take
+    about `interval` seconds at the last chunk's pace: the first tokens come at once, and a long
+    output costs a few chunks per second of generation (each call of the loop costs about
+    8 ms more than a step inside it for SmolLM2 on 2 CPU cores: at 0.1 s a chunk, streaming ran
+    ~5% slower than `generate`, at 0.05 s ~9%)."""
+    params, budget, steps, wall = p.target.params, 0, 1, 0.0
+    state = None
+    while True:
+        t0 = time.perf_counter()
+        if state is None:
+            state = p.prefill(*p.args)
+        budget += steps
+        state = jax.block_until_ready(p.loop(params, p.dparams, state, *p.args[6:],
+                                             jnp.int32(budget)))
+        seconds = time.perf_counter() - t0
+        wall += seconds
+        # copies: the state's buffers are donated to the next chunk
+        out, n_out, finish = (np.array(x) for x in (state.out, state.n_out, state.finish))
+        if not np.any(finish == FINISH_RUNNING):
+            break
+        yield out, n_out
+        pace = seconds / steps
+        steps = int(max(1, min(2 * steps, interval // pace if pace > 0 else 2 * steps)))
+    yield out, n_out
+    return results(p, state, wall)
+
+
+def results(p: Prepared, final, wall: float) -> list[GenerationResult]:
+    """One GenerationResult per row from the loop's final state; `wall` the seconds it ran."""
+    ids, drafter, b = p.ids, p.drafter, len(p.ids)
+    compile_s = p.compile_seconds
+    out, n_out, finish, hist, drafted = map(np.asarray, (final.out, final.n_out, final.finish,
+                                                         final.hist, final.drafted))
     calls = int(final.calls)
     plain = np.asarray(final.fb.plain) if final.fb is not None else np.zeros((b,), np.int64)
-    results = []
+    rows = []
     for i in range(b):
         toks = out[i, :n_out[i]].tolist()
         steps = int(hist[i].sum())
@@ -209,5 +346,8 @@ def run(target: Target, ids: Sequence[Sequence[int]], drafter: Drafter, dparams:
         }
         if int(finish[i]) == FINISH_ERROR:
             stats["error"] = NONFINITE
-        results.append(GenerationResult(token_ids=toks, text=target.decode(toks), stats=stats))
-    return results
+        row = GenerationResult(token_ids=toks, text=p.target.decode(toks), stats=stats,
+                               drafted=drafted[i, :n_out[i]].astype(bool).tolist())
+        row._decode = p.target.decode
+        rows.append(row)
+    return rows

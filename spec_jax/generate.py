@@ -20,7 +20,8 @@ from spec_jax.heads.base import Drafter
 from spec_jax.target import Target
 from spec_jax.tree_spec import Auto, TreeSpec, parse
 
-__all__ = ["GenerationResult", "Resolved", "generate", "generate_batch", "resolve_drafter"]
+__all__ = ["GenerationResult", "Resolved", "TextStream", "generate", "generate_batch",
+           "resolve_drafter", "stream"]
 
 
 class Resolved(NamedTuple):
@@ -113,7 +114,8 @@ def generate(target: Target, prompt: str | Sequence[int] | Sequence[dict],
     conversation (chat messages [{"role": "user", "content": ...}, {"role": "assistant", ...},
     ...], ending with the user's turn).
 
-    draft: None (plain decoding), "ngram", or heads from `init_draft`/`load_draft`.
+    draft: None (plain decoding), "ngram", "mtp" (the MTP layers a converted target ships), or
+    heads from `init_draft`/`load_draft`.
     tree: for heads, None (the tree sized for this device if one was, else the method's default),
     "auto" (size it now if it was not: a one-off measurement, see `spec_jax.sizing`; with
     temperature > 0, for that temperature and top_p),
@@ -160,6 +162,16 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int | Sequ
     if isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, Sequence):
         raise SpecJaxError(f"generate_batch takes a list of prompts, not a {type(prompts).__name__}: "
                            "wrap one prompt in a list, or call generate")
+    return engine.run_prepared(_prepare(
+        target, prompts, max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
+        chat=chat, draft=draft, tree=tree, attn_impl=attn_impl, stop_at_eos=stop_at_eos,
+        accept_rule=accept_rule, precision=precision, datastore=datastore, fallback=fallback))
+
+
+def _prepare(target: Target, prompts: Sequence, max_new_tokens, *, temperature, top_p, seed, chat,
+             draft, tree, attn_impl, stop_at_eos, accept_rule, precision, datastore,
+             fallback) -> engine.Prepared:
+    """`generate_batch`'s checks, drafter and compiled programs, ready to run."""
     b = len(prompts)
     check_rule_and_impl(accept_rule, attn_impl)
     attn_impl = engine.mesh_attn(target, attn_impl)
@@ -168,6 +180,86 @@ def generate_batch(target: Target, prompts: Sequence, max_new_tokens: int | Sequ
     size_t, size_p = sizing_setting(temps, top_ps)
     drafter, dparams, fb = resolve_drafter(target, draft, tree, b, attn_impl, datastore,
                                            temperature=size_t, top_p=size_p, fallback=fallback)
-    return engine.run(target, ids, drafter, dparams, row_max, temps, top_ps, seed,
-                      attn_impl=attn_impl, stop_at_eos=stop_at_eos, accept_rule=accept_rule,
-                      precision=precision, fallback=fb)
+    return engine.prepare(target, ids, drafter, dparams, row_max, temps, top_ps, seed,
+                          attn_impl=attn_impl, stop_at_eos=stop_at_eos, accept_rule=accept_rule,
+                          precision=precision, fallback=fb)
+
+
+def stream(target: Target, prompt: str | Sequence[int] | Sequence[dict],
+           max_new_tokens: int = 128, *, interval: float = 0.1, temperature: float = 0.0,
+           top_p: float = 1.0, seed: int = 0, chat: bool = True, draft=None, tree=None,
+           attn_impl: str = "auto", stop_at_eos: bool = True, accept_rule: str = "exact",
+           precision: str | None = None, datastore=None,
+           fallback: bool | float | tuple = True) -> TextStream:
+    """`generate`, yielding the new text as the loop accepts it: the pieces joined are the text
+    `generate` returns for the same arguments (the same tokens: the loop runs a few steps at a
+    time, `engine.run_chunks`). The prompt's checks, the drafter and the compiles happen here;
+    the decoding as the stream is read. Every `interval` seconds or so the loop hands back its
+    tokens (the first after one step); text that later tokens may still change (a character
+    whose bytes are not all out yet) waits for them. The returned `TextStream`'s `result` is the
+    GenerationResult once the stream is read to its end (its wall time the loop's own).
+
+        for piece in spec_jax.stream(target, "Tell me a story", 200):
+            print(piece, end="", flush=True)
+    """
+    if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (list, tuple, str)):
+        raise SpecJaxError("stream takes one prompt (a string, token ids or a conversation), not "
+                           "a list of prompts")
+    if not interval >= 0:
+        raise SpecJaxError(f"interval must be a number of seconds >= 0, not {interval!r}")
+    prepared = _prepare(target, [prompt], max_new_tokens, temperature=temperature, top_p=top_p,
+                        seed=[seed], chat=chat, draft=draft, tree=tree, attn_impl=attn_impl,
+                        stop_at_eos=stop_at_eos, accept_rule=accept_rule, precision=precision,
+                        datastore=datastore, fallback=fallback)
+    return TextStream(prepared, interval)
+
+
+class TextStream:
+    """An iterator over the new text of one prompt (see `stream`); `result`, the
+    GenerationResult, is set when it is exhausted."""
+
+    def __init__(self, prepared: engine.Prepared, interval: float):
+        self._target = prepared.target
+        self._pieces = self._run(engine.run_chunks(prepared, interval))
+        self.result: GenerationResult | None = None
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> str:
+        return next(self._pieces)
+
+    def _run(self, chunks):
+        sent = ""
+        while True:
+            try:
+                out, n_out = next(chunks)
+            except StopIteration as done:
+                self.result = done.value[0]
+                break
+            text = settled(self._target.decode(out[0, :n_out[0]].tolist()),
+                           _cleans_spaces(self._target))
+            if len(text) > len(sent) and text.startswith(sent):
+                yield text[len(sent):]
+                sent = text
+        if len(self.result.text) > len(sent) and self.result.text.startswith(sent):
+            yield self.result.text[len(sent):]
+
+
+def _cleans_spaces(target: Target) -> bool:
+    """Whether the target's tokenizer removes spaces before punctuation when it decodes
+    (Hugging Face's clean_up_tokenization_spaces: "do n't" -> "don't")."""
+    return bool(getattr(target.tokenizer, "clean_up_tokenization_spaces", False))
+
+
+def settled(text: str, cleans_spaces: bool = False) -> str:
+    """The part of `text` (the decoded tokens so far) that more tokens will not change: without
+    trailing replacement characters (a character whose bytes are not all decoded yet) and, for a
+    tokenizer that cleans spaces up, without a short tail after the last space (" n" may become
+    "n't")."""
+    text = text.rstrip("\ufffd")
+    if cleans_spaces:
+        cut = text.rfind(" ")
+        if cut >= 0 and len(text) - cut <= 3:
+            text = text[:cut]
+    return text

@@ -141,13 +141,22 @@ def check_finite(params, where) -> None:
              if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)]
     on_cpu = lambda a: not isinstance(a, jax.Array) or all(  # noqa: E731
         d.platform == "cpu" for d in a.devices())
-    flags = [bool(np.isfinite(np.asarray(a)).all()) if on_cpu(a) else _all_finite(a)
+    flags = [_finite_in_blocks(np.asarray(a)) if on_cpu(a) else _all_finite(a)
              for _, a in named]
     bad = [n for (n, _), ok in zip(named, map(bool, flags)) if not ok]
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise SpecJaxError(f"non-finite weights (NaN or inf) in tensor {bad[0]!r}{more} of {where}: "
                            "the checkpoint is corrupt or was trained into divergence; re-create it")
+
+
+def _finite_in_blocks(a: np.ndarray, block_bytes: int = 16 << 20) -> bool:
+    """Whether `a` is all finite, tested a block of rows at a time: the temporaries (the flags,
+    a float32 copy of a bfloat16 block) stay small however large the array."""
+    if a.ndim == 0 or a.nbytes <= block_bytes:
+        return bool(np.isfinite(a).all())
+    step = max(1, block_bytes // max(1, a[0].nbytes))
+    return all(bool(np.isfinite(a[i:i + step]).all()) for i in range(0, a.shape[0], step))
 
 
 @jax.jit

@@ -46,6 +46,11 @@ class Compiled:
 def topology_mesh(topology: str, data: int = 1, model: int | None = None) -> Mesh:
     """A ("data", "model") mesh over the chips of a TPU topology such as "v5e:2x2" (abstract
     devices: compile only)."""
+    import os
+
+    # compiling needs no TPU: no slice to look for, and no lock on libtpu against other processes
+    os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     from jax.experimental import topologies
 
     try:
@@ -140,8 +145,9 @@ def compile_plan(cfg: ModelConfig, mesh: Mesh, batch: int = 1, context: int = 81
         pre = compiled_prefill(cfg, drafter, settings).lower(*args).compile()
         out["prefill"] = _report(pre, time.perf_counter() - t0)
         t0 = time.perf_counter()
-        loop = compiled_loop(cfg, drafter, settings).lower(tparams, dparams, pre.out_info,
-                                                           *args[6:]).compile()
+        loop = compiled_loop(cfg, drafter, settings).lower(
+            tparams, dparams, pre.out_info, *args[6:],
+            a((), jnp.int32, NamedSharding(mesh, P()))).compile()  # the step budget
         out["loop"] = _report(loop, time.perf_counter() - t0)
     return out
 

@@ -71,12 +71,17 @@ class LoopState:
     finish: jax.Array  # [B] FINISH_*
     calls: jax.Array  # [] target forward passes after prefill
     hist: jax.Array  # [B, D + 1] accepted draft tokens per step (histogram)
+    drafted: jax.Array  # [B, N + D + 1] int8, 1 where `out` holds an accepted draft token (0: a
+    # step's bonus token, or the prefill's): each step emits a run of 1s and its 0 (unless cut)
     key: jax.Array  # [B, 2] each row's own random key
     fb: Any = None  # the fallback's FallbackState (plain steps where trees do not pay), or None
 
 
-def _emit(state_out, n_out, finish, new, count, eos_ids, max_new, active):
-    """Append new [B, A] (count [B] valid) to the outputs, stopping at EOS or max_new."""
+def _emit(state_out, n_out, finish, new, count, eos_ids, max_new, active, drafted=None,
+          new_drafted=None):
+    """Append new [B, A] (count [B] valid) to the outputs, stopping at EOS or max_new; and
+    new_drafted [B, A] to `drafted` at the same positions (when given). Returns (out, n_out,
+    finish, drafted)."""
     b, a = new.shape
     j = jnp.arange(a)[None, :]
     count = jnp.where(active, count, 0)
@@ -92,9 +97,11 @@ def _emit(state_out, n_out, finish, new, count, eos_ids, max_new, active):
     count = jnp.minimum(count, room)
     idx = jnp.where(j < count[:, None], n_out[:, None] + j, state_out.shape[1])
     out = state_out.at[jnp.arange(b)[:, None], idx].set(new, mode="drop")
+    if drafted is not None:
+        drafted = drafted.at[jnp.arange(b)[:, None], idx].set(new_drafted, mode="drop")
     finish = jnp.where(active & hit_eos, FINISH_STOP,
                        jnp.where(active & hit_len, FINISH_LENGTH, finish))
-    return out, n_out + count, finish
+    return out, n_out + count, finish, drafted
 
 
 def prefill(params, dparams, tokens, prompt_len, cache: KVCache, key, temperature, top_p,
@@ -126,7 +133,7 @@ def prefill(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatur
         first_token=first))
     out = jnp.zeros((b, out_len + depth + 1), jnp.int32)
     finish = jnp.full((b,), FINISH_RUNNING, jnp.int32)
-    out, n_out, finish = _emit(out, jnp.zeros((b,), jnp.int32), finish, first[:, None],
+    out, n_out, finish, _ = _emit(out, jnp.zeros((b,), jnp.int32), finish, first[:, None],
                                jnp.ones((b,), jnp.int32), settings.eos_ids, row_max_new,
                                first_ok)
     finish = jnp.where(first_ok, finish, FINISH_ERROR)
@@ -136,7 +143,7 @@ def prefill(params, dparams, tokens, prompt_len, cache: KVCache, key, temperatur
           else settings.fallback.init(drafter, cfg, b, fwd.hidden.dtype))
     return LoopState(cache=cache, dstate=dstate, root=first, out=out, n_out=n_out, finish=finish,
                      calls=jnp.zeros((), jnp.int32), hist=jnp.zeros((b, depth + 1), jnp.int32),
-                     key=key, fb=fb)
+                     drafted=jnp.zeros(out.shape, jnp.int8), key=key, fb=fb)
 
 
 def _emitted(tree, verdict, depth: int):
@@ -161,11 +168,14 @@ def _emitted_finite(logits, verdict, new):
     return jnp.all(jnp.isfinite(vals) | ~emitted, axis=-1)
 
 
-def decode(params, dparams, state: LoopState, temperature, top_p, row_max_new, *,
+def decode(params, dparams, state: LoopState, temperature, top_p, row_max_new, until_calls, *,
            cfg: ModelConfig, drafter: Drafter, settings: LoopSettings):
-    """The speculative loop from `prefill`'s state until every row stops; returns the final
-    state (its `out` [B, N + D + 1]: the first n_out [B] of each row are its tokens), whose
-    buffers are the donated state's. Pure; jit it."""
+    """The speculative loop from `prefill`'s state until every row stops or `until_calls` (an
+    int32 scalar, an input: one compiled loop serves any budget) target calls have run since the
+    prefill; returns the state (its `out` [B, N + D + 1]: the first n_out [B] of each row are its
+    tokens), whose buffers are the donated state's. A state returned at the budget goes back in
+    with a larger one to run on: `generate` passes no limit (one call), `stream` a few steps at a
+    time. Pure; jit it."""
     b = state.root.shape[0]
     rows = jnp.arange(b)
     n_slots = state.cache.num_slots
@@ -173,7 +183,7 @@ def decode(params, dparams, state: LoopState, temperature, top_p, row_max_new, *
     greedy = settings.greedy
 
     def cond(s: LoopState):
-        return jnp.any(s.finish == FINISH_RUNNING)
+        return jnp.any(s.finish == FINISH_RUNNING) & (s.calls < until_calls)
 
     fallback = settings.fallback
 
@@ -242,8 +252,10 @@ def decode(params, dparams, state: LoopState, temperature, top_p, row_max_new, *
         cache = commit(s.cache, k_new, v_new, positions, jnp.maximum(verdict.path, 0), n_acc)
         new = _emitted(tree, verdict, depth)
         broken = active & ~fwd.logits  # non-finite logits: the row stops, emitting nothing
-        out, n_out, finish = _emit(s.out, s.n_out, s.finish, new, verdict.n_accepted,
-                                   settings.eos_ids, row_max_new, active & ~broken)
+        drafted = (jnp.arange(depth + 1)[None, :] < verdict.n_accepted[:, None] - 1)
+        out, n_out, finish, drafted = _emit(s.out, s.n_out, s.finish, new, verdict.n_accepted,
+                                            settings.eos_ids, row_max_new, active & ~broken,
+                                            s.drafted, drafted.astype(jnp.int8))
         finish = jnp.where(broken, FINISH_ERROR, finish)
         finish = jnp.where((finish == FINISH_RUNNING) & (cache.length + t_size > n_slots),
                            FINISH_LENGTH, finish)
@@ -259,7 +271,8 @@ def decode(params, dparams, state: LoopState, temperature, top_p, row_max_new, *
                 dstate = drafter.after_verify(dparams, params, cfg, dstate, ctx)
         hist = s.hist.at[rows, verdict.n_accepted - 1].add(active.astype(jnp.int32))
         return LoopState(cache=cache, dstate=dstate, root=root, out=out, n_out=n_out,
-                         finish=finish, calls=s.calls + 1, hist=hist, key=key, fb=fb)
+                         finish=finish, calls=s.calls + 1, hist=hist, drafted=drafted, key=key,
+                         fb=fb)
 
     def after_tree(dstate, fb, ctx: VerifyContext):
         dstate = drafter.after_verify(dparams, params, cfg, dstate, ctx)

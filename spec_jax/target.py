@@ -26,6 +26,8 @@ class Target:
     # Compiled executables keyed by their static settings; owned by this target, not module state.
     compiled: dict = dataclasses.field(default_factory=dict, repr=False)
     mesh: Any = None  # a jax.sharding.Mesh the parameters are placed on (spec_jax.sharding), or None
+    # drafters the checkpoint carries (its MTP layers: draft="mtp"), loaded on first use
+    own_heads: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
     def eos_ids(self) -> tuple[int, ...]:

@@ -111,6 +111,26 @@ class Tensors:
             buf = fh.read(nbytes)
         return np.frombuffer(buf, dtype=dt).reshape(shape).copy()
 
+    def rows(self, name, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of a tensor (along its first axis), reading only their bytes."""
+        if name in self._torch:
+            return self._torch[name][start:stop]
+        f, off, nbytes, dt, shape = self._index[name]
+        row = int(np.prod(shape[1:], dtype=np.int64)) * np.dtype(dt).itemsize
+        buf = bytearray((stop - start) * row)  # read into, not copied: one buffer per block
+        with open(f, "rb") as fh:
+            fh.seek(off + start * row)
+            if fh.readinto(buf) != len(buf):
+                raise SpecJaxError(f"{f} ends inside tensor {name}: the file is truncated")
+        return np.frombuffer(buf, dtype=dt).reshape((stop - start, *shape[1:]))
+
+    def truncated(self) -> Path | None:
+        """The first safetensors file whose header places data past its end, or None."""
+        ends: dict[Path, int] = {}
+        for f, off, nbytes, _, _ in self._index.values():
+            ends[f] = max(ends.get(f, 0), off + nbytes)
+        return next((f for f, end in ends.items() if f.stat().st_size < end), None)
+
 
 def _torch_state(f: Path) -> dict[str, np.ndarray]:
     """A PyTorch state dict read with `weights_only=True` (tensors and plain containers only)."""
@@ -171,6 +191,10 @@ class _Reader:
         return self.rename(name) in self.src
 
     def raw(self, name, shape) -> np.ndarray:
+        return self.src.get(self.check(name, shape))
+
+    def check(self, name, shape) -> str:
+        """The file's name of tensor `name`, checked to be there with `shape` (not read)."""
         real = self.rename(name)
         guess = _guess(self.src.names())
         hint = (f": the file looks like {guess!r} heads, pass --format {guess}"
@@ -184,7 +208,7 @@ class _Reader:
                                f"{self.fmt} heads for this target need {list(shape)}"
                                + (hint or ": these heads were made for another target"))
         self.used.add(real)
-        return self.src.get(real)
+        return real
 
     def take(self, name, shape, transpose=False) -> np.ndarray:
         a = np.asarray(self.raw(name, shape), np.float32).astype(self.dtype)
@@ -386,12 +410,17 @@ def _import_mtp(src: Tensors, target, dtype):
                  "eh_proj": r.take(pre + "eh_proj.weight", (h, 2 * h), True)}
             out = pre + "shared_head.norm.weight"
             head = pre + "shared_head.head.weight"
-            if head in src:
-                mine = np.asarray(r.take(head, (v, h), True), np.float32)
-                theirs = np.asarray(lm_head_weight(target.params), np.float32)
-                if not np.array_equal(mine, theirs):
-                    raise SpecJaxError(f"tensor {head} in {src.path} is not the target's LM head: "
-                                       "spec_jax's MTP modules share the target's")
+            if head in src:  # compared a block of rows at a time: no copies of a whole head
+                r.check(head, (v, h))
+                theirs = lm_head_weight(target.params)
+                step = max(1, (16 << 20) // (4 * h))
+                for r0 in range(0, v, step):
+                    r1 = min(v, r0 + step)
+                    mine = np.asarray(src.rows(head, r0, r1), np.float32).astype(dtype)
+                    if not np.array_equal(np.asarray(mine, np.float32),
+                                          np.asarray(theirs[:, r0:r1], np.float32).T):
+                        raise SpecJaxError(f"tensor {head} in {src.path} is not the target's LM "
+                                           "head: spec_jax's MTP modules share the target's")
         m["layer"] = _layer(r, pre, cfg, h, _inter(r, pre + "mlp.gate_proj.weight", conf, cfg),
                             "input_layernorm.weight")
         out_norms.append((out, r.take(out, (h,))))

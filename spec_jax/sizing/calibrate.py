@@ -88,14 +88,16 @@ NGRAM_CHAINS = (1, 2, 3, 4, 6, 8)  # chain lengths `size_ngram` weighs
 def resolve(target, draft, spec, batch: int = 1, datastore=None, temperature: float = 0.0,
             top_p: float = 1.0):
     """What a tree option left to the sizing (`spec.base` `default` or `auto`) stands for, for
-    `draft` (heads, or "ngram" without a datastore) here: (the chosen TreeSpec, the (break-even,
-    prior) of the plain-step fallback the sizing chose with it, or None), or None where nothing
-    was sized (then the method's own tree). The choice is the one cached for this sampling
-    setting; without one, `default` takes the greedy sizing's and `auto` sizes now
-    (`sized_choice`)."""
+    `draft` (heads, "mtp": the target's own heads, or "ngram" without a datastore) here: (the
+    chosen TreeSpec, the (break-even, prior) of the plain-step fallback the sizing chose with
+    it, or None), or None where nothing was sized (then the method's own tree). The choice is
+    the one cached for this sampling setting; without one, `default` takes the greedy sizing's
+    and `auto` sizes now (`sized_choice`)."""
+    from spec_jax.drafting import own_heads
     from spec_jax.tree_spec import Auto, parse
 
     tree = "auto" if isinstance(spec.base, Auto) else None
+    draft = own_heads(target, draft)  # "mtp": the target's own MTP heads
     if isinstance(draft, str):  # the n-gram drafter
         def cached(t, p):
             return cached_choice(target, "ngram", batch, temperature=t, top_p=p)
