@@ -1,6 +1,6 @@
 """GPU (or TPU) check of the kernels and the draft-verify step: correctness and timings, one script.
 
-Written for a short loan of an accelerator: every section appends to OUT/gpu_results.json and
+Written for a short stay on an accelerator: every section appends to OUT/gpu_results.json and
 prints a Markdown block as soon as it finishes, sections run in order of importance, and a section
 is skipped when less time is left than it needs (--budget). No checkpoint is read: the targets have
 random weights of the real shapes (SmolLM2-135M, and a Llama-3.2-1B-shaped model), because step
@@ -19,7 +19,7 @@ Sections:
 
     SPEC_JAX_DEFAULT_XLA_FLAGS=0 python scripts/gpu_check.py --out DIR [--budget 420]
         [--sections 1_,5b,8_] [--quick]      (--quick: tiny shapes, a dry run on CPU)
-Results of one H200 loan: docs/gpu.md.
+Results on an H200: docs/gpu.md.
 """
 import argparse
 import json
@@ -68,7 +68,7 @@ class Run:
             print(f"\n## {name}", flush=True)
             try:
                 self.results["sections"][name] = fn()
-            except Exception as e:  # noqa: BLE001 -- report and go on: the loan is short
+            except Exception as e:  # noqa: BLE001 -- report and go on: the time on the device is short
                 traceback.print_exc()
                 self.results["sections"][name] = {"error": f"{type(e).__name__}: {e}"[:2000]}
             self.results["sections"][name + "_seconds"] = time.perf_counter() - t0

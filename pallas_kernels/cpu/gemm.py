@@ -7,7 +7,7 @@ AVX-512 host (SmolLM2's whole forward in the generation loop: 21.2 / 21.0 / 23.2
 T = 1/2/4/8, against 23.2 / 33.2 / 37.0 / 44.3 ms with XLA's dot; with the panel prefetched 32
 rows ahead, on a later Zen 4 host, ~12 / 14 / 16 ms at T = 1/4/8). On an AVX2 host it is
 compute-bound from ~3 rows: 34 / 31 / 21 / 20 GB/s at 1/2/4/8 rows (XLA: 30 / 21 / 14 / 14;
-docs/benchmarks.md) with 32-column panels; 16-column panels and prefetching (the AVX2 build's
+run 15 in docs/results.md) with 32-column panels; 16-column panels and prefetching (the AVX2 build's
 layout, `panel_width()`) lift 4 rows to ~30 GB/s.
 
 `pack(w [K, N]) -> PackedWeight(panels [N/P, K, P])` is a one-time layout change (see
@@ -42,7 +42,7 @@ product, and the residual add after the o and down products (`spec_jax.models.ll
 .decoder_layer`). Each row is transformed alone, so rows stay independent of each other. They
 replace 9 of the 14 XLA fusions a layer had: SmolLM2's float32 forward spent 0.91-0.93 ms in
 fusions at 8 tokens and 0.34-0.36 at one token, 0.20-0.21 and 0.10-0.14 with both (run 53,
-docs/benchmarks.md).
+docs/results.md).
 
 The kernel is built with g++ on first use (`build`); without a compiler, `available()` is
 False and callers keep XLA's dot: nothing is lost but the speed.

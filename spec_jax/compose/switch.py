@@ -8,7 +8,7 @@ more. A switch holds arms of T tokens each (a head tree plus an n-gram chain of 
 to T - 1) and picks one per row from the length (0..8) of the context's longest suffix that
 occurred earlier, by a policy the sizing learns from its calibration profile (spec_jax.sizing).
 On SmolLM2-135M's own MT-bench answers, replayed: tau 2.61 against 2.39 for the best fixed mix
-of the same 8 tokens (docs/benchmarks.md).
+of the same 8 tokens (run 20, docs/results.md).
 
 The choice depends on the context only, never on random draws, so verification stays exact; only
 the chosen arm is drafted when all rows agree (always at batch 1).

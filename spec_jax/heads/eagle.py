@@ -6,7 +6,7 @@ spec_jax.heads.vocab). EAGLE-2 = this head + dynamic tree.
 Features (hparam `features`): "post" is the reference's — the target's final hidden states after
 its final norm (what Hugging Face returns as the last hidden state), regressed and fed straight to
 the LM head (the default for fresh heads: from scratch on SmolLM2 it learned faster at every
-step, checkpoints/README.md; the shipped SmolLM2 head is one); "pre" (heads saved without the
+step, run 25 in docs/training.md; the shipped SmolLM2 head is one); "pre" (heads saved without the
 setting, as every SmolLM2 head was until run 26) takes them before the final
 norm and applies the norm before the LM head."""
 from __future__ import annotations
