@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,10 @@ class ModelConfig:
                 f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))}; convert a checkpoint of one of these"
             )
         family = SUPPORTED_ARCHITECTURES[arch]
+        moe = [k for k in MOE_FIELDS if d.get(k)]
+        if moe:
+            raise SpecJaxError(f"unsupported config field {moe[0]}={d[moe[0]]!r} (a mixture of "
+                               "experts): spec_jax's targets have dense MLPs")
         num_heads = d["num_attention_heads"]
         head_dim = d.get("head_dim") or d["hidden_size"] // num_heads
         # transformers >= 5 writes `rope_parameters` (with rope_theta inside); older ones `rope_scaling`.
@@ -89,7 +94,7 @@ class ModelConfig:
             rope_scaling=rs or None,
             tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=bool(d.get("attention_bias", family == "qwen2")),
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            max_position_embeddings=_positions(d, family),
             family=family,
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -113,3 +118,24 @@ class ModelConfig:
         d["rope_scaling"] = tuple(sorted(rs.items())) if rs else None
         d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
         return cls(**d)
+
+
+MOE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
+
+
+def _positions(d: dict[str, Any], family: str) -> int:
+    """The positions a converted target takes: the config's, or, where a sliding window applies
+    (Mistral's `sliding_window`, Qwen's with `use_sliding_window`), the window if it is shorter.
+    spec_jax attends to every earlier position, which equals windowed attention only up to the
+    window; past it the outputs would differ, so the target stops there (with a warning)."""
+    positions = d.get("max_position_embeddings", 2048)
+    window = d.get("sliding_window")
+    if family in ("qwen2", "qwen3") and not d.get("use_sliding_window", False):
+        window = None
+    if window and window < positions:
+        warnings.warn(f"the config's sliding_window={window} is shorter than its "
+                      f"max_position_embeddings={positions}: spec_jax attends to every position, "
+                      f"which equals windowed attention only within the window, so the converted "
+                      f"target takes at most {window} positions", stacklevel=3)
+        return int(window)
+    return positions

@@ -5,9 +5,8 @@ import pytest
 import torch
 
 from spec_jax.cache import cache_for
-from spec_jax.config import ModelConfig
-from spec_jax.convert.hf import params_from_hf
 from spec_jax.models.llama import causal_mask, forward
+from tests._hf import assert_logits_match, ours, perturb_norms
 
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
@@ -29,20 +28,7 @@ def hf_model(arch, tied):
         cfg = tf.Qwen2Config(**common)
         cls = tf.Qwen2ForCausalLM
     torch.manual_seed(0)
-    model = cls(cfg).eval()
-    with torch.no_grad():  # random, non-trivial norms and biases
-        for name, p in model.named_parameters():
-            if "norm" in name or name.endswith(".bias"):
-                p.add_(0.1 * torch.randn_like(p))
-    return model
-
-
-def ours(model):
-    d = model.config.to_dict()
-    d["architectures"] = [type(model).__name__]
-    cfg = ModelConfig.from_hf_dict(d)
-    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    return cfg, params_from_hf(state, cfg)
+    return perturb_norms(cls(cfg).eval(), 0.1)
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
@@ -53,12 +39,7 @@ def test_logits_match_transformers(arch, tied):
     assert cfg.tie_word_embeddings == tied
     assert (cfg.rope_scaling is not None) == (arch == "llama")
     assert cfg.attention_bias == (arch == "qwen2")
-    toks = np.random.RandomState(1).randint(0, 101, (2, 40))
-    with torch.no_grad():
-        ref = model(torch.tensor(toks)).logits.numpy()
-    pos = jnp.broadcast_to(jnp.arange(40), (2, 40))
-    out = forward(params, cfg, jnp.asarray(toks), pos, cache_for(cfg, 2, 8), causal_mask(2, 40))
-    np.testing.assert_allclose(np.asarray(out.logits), ref, atol=1e-4, rtol=0)
+    assert_logits_match(model, cfg, params)
 
 
 def test_incremental_decode_matches_full_forward():

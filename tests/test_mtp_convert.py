@@ -173,3 +173,89 @@ def test_mtp_layers_that_do_not_fit_are_refused_and_nothing_is_written(tmp_path)
         convert_hf(src, tmp_path / "out")
     assert "\n" not in str(e.value)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+
+
+def test_mimo_logits_match_transformers_qwen2(converted):
+    """MiMo's decoder is transformers' Qwen2: the converted target's logits equal Qwen2's forward
+    of the same weights (the MTP layers are the only tensors Qwen2 does not have)."""
+    torch = pytest.importorskip("torch")
+    import transformers as tf
+    from safetensors.numpy import load_file
+
+    from tests._hf import TOL, reference_logits
+
+    src, ck = converted["mimo"]
+    sd = {}
+    for f in sorted(src.glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    conf = json.loads((src / "config.json").read_text())
+    model = tf.Qwen2ForCausalLM(tf.Qwen2Config(**{k: conf[k] for k in (
+        "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+        "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "rope_theta",
+        "max_position_embeddings", "tie_word_embeddings")})).eval()
+    mine = {k: torch.tensor(v) for k, v in sd.items() if not k.startswith("model.mtp_layers.")}
+    assert set(mine) == set(model.state_dict())
+    model.load_state_dict(mine)
+    target = spec_jax.load_target(ck, layers="scan")
+    ref = reference_logits(model, [SEQ])[0]
+    assert np.abs(ref).max() > 0.1
+    np.testing.assert_allclose(target.logits(SEQ), ref, atol=TOL, rtol=0)
+
+
+def _rewrite(src, edit):
+    """The checkpoint at `src` with its tensors changed by `edit(dict)`, as one file."""
+    from safetensors.numpy import load_file
+
+    sd = {}
+    for f in sorted(src.glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+        f.unlink()
+    (src / "model.safetensors.index.json").unlink()
+    edit(sd)
+    save_file(sd, str(src / "model.safetensors"))
+
+
+def test_mla_attention_in_an_mtp_layer_is_named_in_one_line(converted, tmp_path):
+    """DeepSeek-V3's own MTP layers use multi-head latent attention: refused, naming a tensor."""
+    src = make_target(tmp_path / "hf", "deepseek")
+    p = f"model.layers.{L}.self_attn."
+
+    def mla(sd):
+        for n in ("q_proj", "k_proj", "v_proj"):
+            del sd[p + n + ".weight"]
+        g = np.random.default_rng(1)
+        sd.update({p + n: g.standard_normal(s).astype(np.float32) for n, s in (
+            ("q_a_proj.weight", (16, H)), ("q_a_layernorm.weight", (16,)),
+            ("q_b_proj.weight", (NH * HD, 16)), ("kv_a_proj_with_mqa.weight", (20, H)),
+            ("kv_a_layernorm.weight", (16,)), ("kv_b_proj.weight", (NH * 2 * HD, 16)))})
+
+    _rewrite(src, mla)
+    target = spec_jax.load_target(converted["deepseek"][1], layers="scan")
+    with pytest.raises(SpecJaxError, match=rf"tensor {p}kv_a_layernorm\.weight .*latent") as e:
+        spec_jax.import_heads("mtp", src, target, out=tmp_path / "out")
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+    with pytest.raises(SpecJaxError, match="latent attention.*--no-mtp") as e:
+        convert_hf(src, tmp_path / "t")
+    assert "\n" not in str(e.value) and not (tmp_path / "t").exists()
+
+
+def test_mixture_of_experts_in_an_mtp_layer_is_named_in_one_line(tmp_path):
+    p = "model.mtp_layers.0.mlp."
+    src = make_target(tmp_path / "hf", "mimo")
+
+    def moe(sd):
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            del sd[p + n + ".weight"]
+        g = np.random.default_rng(2)
+        sd[p + "gate.weight"] = g.standard_normal((2, H)).astype(np.float32)
+        for e in ("experts.0.", "experts.1.", "shared_experts."):
+            sd.update({p + e + "gate_proj.weight": g.standard_normal((I_, H)).astype(np.float32),
+                       p + e + "up_proj.weight": g.standard_normal((I_, H)).astype(np.float32),
+                       p + e + "down_proj.weight": g.standard_normal((H, I_)).astype(np.float32)})
+
+    _rewrite(src, moe)
+    with pytest.raises(SpecJaxError, match=rf"tensor {p}experts\.0\.down_proj\.weight .*mixture"
+                                           r"-of-experts.*--no-mtp") as e:
+        convert_hf(src, tmp_path / "t")
+    assert "\n" not in str(e.value) and not (tmp_path / "t").exists()
+    assert main(["convert", "--hf", str(src), "--out", str(tmp_path / "t"), "--no-mtp"]) == 0

@@ -136,10 +136,13 @@ def ref_logits(fmt, sd_head, sd_t, ids, conf):
         d2t = sd_head["d2t"].long()
         out[:, torch.arange(len(d2t)) + d2t] = dl
         return out
-    if fmt == "medusa":  # head 0: x + SiLU(Wx + b), its own LM head
-        z = hp + torch.nn.functional.silu(hp @ sd_head["0.0.linear.weight"].T
-                                          + sd_head["0.0.linear.bias"])
-        return z @ sd_head["0.1.weight"].T
+    if fmt == "medusa":  # head 0: R ResBlocks x + SiLU(Wx + b), then its own LM head
+        z, n = hp, conf["medusa_num_layers"]
+        for j in range(n):  # a block the file leaves out is block 0: the published code's one
+            j = j if f"0.{j}.linear.weight" in sd_head else 0  # module, repeated
+            z = z + torch.nn.functional.silu(z @ sd_head[f"0.{j}.linear.weight"].T
+                                             + sd_head[f"0.{j}.linear.bias"])
+        return z @ sd_head[f"0.{n}.weight"].T
     if fmt == "mtp-deepseek":
         p = f"model.layers.{CFG.num_layers}."
         x = torch.cat([t_rms(emb, sd_head[p + "enorm.weight"]),
@@ -221,18 +224,54 @@ def make_eagle3(d, seed=0, vd=48):
     return sd, conf
 
 
-def make_medusa(d, seed=0, k=3):
+def make_medusa(d, seed=0, k=3, layers=1):
+    """Heads with `layers` ResBlocks of their own each (as text-generation-inference loads them)."""
     r = _rng(seed)
     sd = {}
     for i in range(k):
-        sd.update({f"{i}.0.linear.weight": r(H, H), f"{i}.0.linear.bias": r(H),
-                   f"{i}.1.weight": r(V, H)})
-    conf = {"medusa_num_heads": k, "medusa_num_layers": 1,
+        for j in range(layers):
+            sd.update({f"{i}.{j}.linear.weight": r(H, H), f"{i}.{j}.linear.bias": r(H)})
+        sd[f"{i}.{layers}.weight"] = r(V, H)
+    conf = {"medusa_num_heads": k, "medusa_num_layers": layers,
             "base_model_name_or_path": "tiny-llama"}
     d.mkdir(parents=True)
     (d / "config.json").write_text(json.dumps(conf))
     save_file(sd, str(d / "medusa_lm_head.safetensors"))
     return sd, conf
+
+
+def make_medusa_official(d, seed=0, k=2, layers=3, dedup=False):
+    """Heads as FasterDecoding/Medusa builds them, `nn.Sequential(*([ResBlock(H)] * layers),
+    Linear(H, V))`: one ResBlock module repeated. torch.save of its state_dict (the training
+    script's medusa_lm_head.pt) holds every `{i}.{j}.linear.*`, equal; a deduplicating
+    safetensors save (`save_model`) keeps block 0 alone."""
+    from safetensors.torch import save_model
+
+    class ResBlock(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(H, H)
+
+    torch.manual_seed(seed)
+    heads = torch.nn.ModuleList([torch.nn.Sequential(*([ResBlock()] * layers),
+                                                     torch.nn.Linear(H, V, bias=False))
+                                 for _ in range(k)])
+    with torch.no_grad():
+        for prm in heads.parameters():
+            prm.copy_(torch.randn_like(prm) * 0.3)
+    conf = {"medusa_num_heads": k, "medusa_num_layers": layers,
+            "base_model_name_or_path": "tiny-llama"}
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps(conf))
+    if dedup:
+        save_model(heads, str(d / "medusa_lm_head.safetensors"))
+        from safetensors.torch import load_file
+
+        return load_file(str(d / "medusa_lm_head.safetensors")), conf
+    sd = heads.state_dict()
+    assert sd["0.0.linear.weight"].data_ptr() == sd[f"0.{layers - 1}.linear.weight"].data_ptr()
+    torch.save(sd, d / "medusa_lm_head.pt")
+    return {n: t.clone() for n, t in sd.items()}, conf
 
 
 def make_mtp(d, sd_t, mimo: bool, seed=0):
@@ -280,6 +319,9 @@ CASES = {  # name -> (import format, builder)
     "eagle-vicuna": ("eagle", lambda d, t: make_eagle(d, vicuna=True)),
     "eagle3": ("eagle3", lambda d, t: make_eagle3(d)),
     "medusa": ("medusa", lambda d, t: make_medusa(d)),
+    "medusa-2-layers": ("medusa", lambda d, t: make_medusa(d, seed=1, layers=2)),
+    "medusa-official-pt": ("medusa", lambda d, t: make_medusa_official(d)),
+    "medusa-official-dedup": ("medusa", lambda d, t: make_medusa_official(d, layers=2, dedup=True)),
     "mtp-deepseek": ("mtp", lambda d, t: make_mtp(d, hf_target(t), mimo=False)),
     "mtp-mimo": ("mtp", lambda d, t: make_mtp(d, hf_target(t), mimo=True)),
 }
@@ -318,10 +360,11 @@ def test_draft_logits_match_the_published_architecture(imported, target, name):
 
 TREES = {  # between them every kind of tree option: the method's own, static, chain, dynamic
     "eagle-llama3-bin": [[[0], [1], [0, 0]]], "eagle-vicuna": ["chain:2"], "eagle3": [None],
-    "medusa": ["dynamic:3,2,5"], "mtp-deepseek": [None], "mtp-mimo": [None]}
+    "medusa": ["dynamic:3,2,5"], "mtp-deepseek": [None], "mtp-mimo": [None],
+    "medusa-2-layers": [None]}
 
 
-@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("name", list(TREES))
 def test_greedy_speculative_decoding_with_imported_heads_is_plain_decoding(imported, target, name):
     heads = spec_jax.load_draft(imported[name][3])
     plain = spec_jax.generate(target, PROMPT, 10, stop_at_eos=False).token_ids
@@ -333,7 +376,8 @@ def test_greedy_speculative_decoding_with_imported_heads_is_plain_decoding(impor
         assert r.token_ids == plain, (name, tree)
 
 
-@pytest.mark.parametrize("name", ["eagle-llama3-bin", "eagle-vicuna", "eagle3", "medusa"])
+@pytest.mark.parametrize("name", ["eagle-llama3-bin", "eagle-vicuna", "eagle3", "medusa",
+                                  "medusa-2-layers", "medusa-official-pt"])
 def test_export_then_import_round_trips_bit_for_bit(imported, target, tmp_path, name):
     from safetensors.numpy import load_file
 
@@ -364,6 +408,64 @@ def test_fresh_heads_export_with_the_target_and_import_back(target, tmp_path):
     back = spec_jax.import_heads("medusa", tmp_path / "m", target)
     np.testing.assert_array_equal(spec_jax.draft_logits(target, heads, SEQ),
                                   spec_jax.draft_logits(target, back, SEQ))
+
+
+VOCAB = np.sort(np.random.default_rng(3).choice(V, 40, replace=False))
+FRESH = {  # heads made here: a draft vocabulary, LM heads of their own, several ResBlocks
+    "eagle-draft-vocab": ("eagle", dict(d2t=VOCAB)),
+    "medusa-draft-vocab": ("medusa", dict(num_heads=2, d2t=VOCAB)),
+    "medusa-own-draft-vocab": ("medusa", dict(num_heads=2, own_lm_heads=True, d2t=VOCAB)),
+    "medusa-3-layers": ("medusa", dict(num_heads=2, num_layers=3)),
+}
+
+
+@pytest.mark.parametrize("name", list(FRESH))
+def test_fresh_heads_round_trip_bit_for_bit(target, tmp_path, name):
+    """Export then import gives the same params, bit for bit (a draft vocabulary travels in
+    draft_vocab.safetensors; a target LM head copied into Medusa heads is read back as the
+    target's), and the weights file holds only the published names."""
+    import jax
+    from safetensors.numpy import load_file
+
+    from spec_jax.convert.heads_io import DRAFT_VOCAB
+
+    fmt, hp = FRESH[name]
+    heads = spec_jax.init_draft(target, fmt, scale=0.3, **hp)
+    if "lm_heads" in heads.params:  # trained away from the target's (equal ones import as it)
+        lm = heads.params["lm_heads"]
+        heads.params["lm_heads"] = lm + 0.1 * jax.random.normal(jax.random.PRNGKey(2), lm.shape)
+    spec_jax.export_heads(fmt, heads, tmp_path / "x", target=target)
+    back = spec_jax.import_heads(fmt, tmp_path / "x", target)
+    flat = lambda h: {jax.tree_util.keystr(k): np.asarray(a)  # noqa: E731
+                      for k, a in jax.tree_util.tree_leaves_with_path(h.params)}
+    a, b = flat(heads), flat(back)
+    assert sorted(a) == sorted(b)
+    for k in a:
+        assert a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]), k
+    weights = load_file(str(tmp_path / "x" / ("model.safetensors" if fmt == "eagle"
+                                              else "medusa_lm_head.safetensors")))
+    assert not {"d2t", "t2d"} & set(weights)
+    assert (tmp_path / "x" / DRAFT_VOCAB).is_file() == ("d2t" in hp)
+    if name == "medusa-own-draft-vocab":  # its own LM heads over the draft vocabulary: [Vd, H]
+        assert weights["0.1.weight"].shape == (len(VOCAB), H)
+    if name == "medusa-3-layers":
+        assert back.hparams["num_layers"] == 3 and a["['w_rest']"].shape == (2, 2, H, H)
+        assert {f"1.{j}.linear.weight" for j in range(3)} | {"1.3.weight"} <= set(weights)
+    np.testing.assert_array_equal(spec_jax.draft_logits(target, heads, SEQ),
+                                  spec_jax.draft_logits(target, back, SEQ))
+
+
+def test_medusa_blocks_are_stacked_not_shared(imported):
+    """Distinct ResBlocks import as distinct blocks; the published code's repeated module as equal
+    ones, also where a deduplicating save kept block 0 alone."""
+    own = spec_jax.load_draft(imported["medusa-2-layers"][3]).params
+    assert own["w_rest"].shape == (1, 3, H, H) and not np.array_equal(own["w_rest"][0], own["w"])
+    for name, n in (("medusa-official-pt", 3), ("medusa-official-dedup", 2)):
+        p = spec_jax.load_draft(imported[name][3]).params
+        assert p["w_rest"].shape == (n - 1, 2, H, H)
+        for j in range(n - 1):
+            np.testing.assert_array_equal(p["w_rest"][j], p["w"])
+            np.testing.assert_array_equal(p["b_rest"][j], p["b"])
 
 
 def test_existing_heads_unchanged_by_the_new_options(target):

@@ -3,16 +3,12 @@ transformers on a tiny random config, in every layer layout, converted from disk
 speculative decoding on them."""
 import json
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import spec_jax
-from spec_jax.cache import cache_for
-from spec_jax.config import ModelConfig
-from spec_jax.convert.hf import params_from_hf
-from spec_jax.models.llama import causal_mask, forward
 from spec_jax.target import arrange_layers
+from tests._hf import TOL, assert_logits_match, ours, perturb_norms, reference_logits
 
 torch = pytest.importorskip("torch")
 
@@ -26,34 +22,15 @@ def model():
                          head_dim=24, tie_word_embeddings=True, max_position_embeddings=256,
                          rms_norm_eps=1e-6)
     torch.manual_seed(0)
-    m = tf.Qwen3ForCausalLM(cfg).eval()
-    with torch.no_grad():  # random, non-trivial norms (q_norm, k_norm included)
-        for name, p in m.named_parameters():
-            if "norm" in name:
-                p.add_(0.3 * torch.randn_like(p))
-    return m
-
-
-def _ours(model):
-    d = model.config.to_dict()
-    d["architectures"] = ["Qwen3ForCausalLM"]
-    cfg = ModelConfig.from_hf_dict(d)
-    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
-    return cfg, params_from_hf(state, cfg)
+    return perturb_norms(tf.Qwen3ForCausalLM(cfg).eval(), 0.3)  # q_norm, k_norm included
 
 
 @pytest.mark.parametrize("layers", ["scan", "unrolled", "packed_f32"])
 def test_qwen3_logits_match_transformers(model, layers):
-    cfg, params = _ours(model)
+    cfg, params = ours(model)
     assert cfg.family == "qwen3" and cfg.head_dim == 24 and not cfg.attention_bias
     assert params["layers"]["q_norm"].shape == (3, 24)
-    params = arrange_layers(params, cfg, layers)
-    toks = np.random.RandomState(1).randint(0, 101, (2, 40))
-    with torch.no_grad():
-        ref = model(torch.tensor(toks)).logits.numpy()
-    pos = jnp.broadcast_to(jnp.arange(40), (2, 40))
-    out = forward(params, cfg, jnp.asarray(toks), pos, cache_for(cfg, 2, 8), causal_mask(2, 40))
-    np.testing.assert_allclose(np.asarray(out.logits), ref, atol=1e-4, rtol=0)
+    assert_logits_match(model, cfg, arrange_layers(params, cfg, layers))
 
 
 def test_qwen3_converts_and_decodes_losslessly(model, tmp_path):
@@ -65,9 +42,8 @@ def test_qwen3_converts_and_decodes_losslessly(model, tmp_path):
     convert_hf(tmp_path / "hf", tmp_path / "t")
     target = spec_jax.load_target(tmp_path / "t", layers="scan")
     ids = [5, 17, 3, 88, 41, 9]
-    with torch.no_grad():
-        ref = model(torch.tensor([ids])).logits.numpy()[0]
-    np.testing.assert_allclose(target.logits(ids), ref, atol=1e-4, rtol=0)
+    np.testing.assert_allclose(target.logits(ids), reference_logits(model, [ids])[0], atol=TOL,
+                               rtol=0)
     plain = spec_jax.generate(target, ids, 8, stop_at_eos=False).token_ids
     heads = spec_jax.init_draft(target, "eagle", scale=0.3)
     r = spec_jax.generate(target, ids, 8, stop_at_eos=False, draft=heads, fallback=False)

@@ -1,6 +1,11 @@
 """Our heads out in a published layout: EAGLE-1/2, EAGLE-3 and Medusa-1 as safetensors and the
 config.json the official code writes, so vLLM, SGLang or the EAGLE repository can serve them;
-`spec_jax.convert.heads_io.import_heads` reads them back bit for bit."""
+`spec_jax.convert.heads_io.import_heads` reads them back bit for bit. A draft vocabulary of
+EAGLE-1/2 or Medusa heads goes beside the weights as `draft_vocab.safetensors` (heads_io.DRAFT_VOCAB;
+`draft_vocab_size` in config.json): the weights file keeps exactly the published names and shapes.
+Medusa heads with several ResBlocks write each block as `{i}.{j}.linear.*`, as the published code
+names them (that code runs one block's weights for all of them; engines that load each block by
+name, as text-generation-inference does, run them as they are)."""
 from __future__ import annotations
 
 import json
@@ -9,23 +14,29 @@ from pathlib import Path
 
 import numpy as np
 
-from spec_jax.convert.heads_io import METHOD_OF, _as_target, _check_format, _st_dtypes
+from spec_jax.convert.heads_io import (
+    DRAFT_VOCAB,
+    METHOD_OF,
+    _as_target,
+    _check_format,
+    _st_dtypes,
+)
 from spec_jax.errors import SpecJaxError
 
 
 def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata=None) -> None:
-    """A safetensors file written without PyTorch (names sorted, 8-byte aligned header)."""
+    """A safetensors file written without PyTorch (names sorted, 8-byte aligned header), each
+    tensor written from its array: no second copy of the whole file in memory."""
     names = {np.dtype(v).name: k for k, v in _st_dtypes().items()}
-    header, blobs, off = {}, [], 0
+    header, off = {}, 0
     for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name])
-        key = names.get(a.dtype.name)
+        a = tensors[name]
+        key = names.get(np.dtype(a.dtype).name)
         if key is None:
             raise SpecJaxError(f"tensor {name} has dtype {a.dtype}, which safetensors cannot hold")
-        b = a.tobytes()
-        header[name] = {"dtype": key, "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
-        blobs.append(b)
-        off += len(b)
+        n = int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+        header[name] = {"dtype": key, "shape": list(a.shape), "data_offsets": [off, off + n]}
+        off += n
     if metadata:
         header["__metadata__"] = metadata
     raw = json.dumps(header, separators=(",", ":")).encode()
@@ -33,8 +44,8 @@ def write_safetensors(path: Path, tensors: dict[str, np.ndarray], metadata=None)
     with open(path, "wb") as fh:
         fh.write(struct.pack("<Q", len(raw)))
         fh.write(raw)
-        for b in blobs:
-            fh.write(b)
+        for name in sorted(tensors):
+            fh.write(np.ascontiguousarray(tensors[name]).reshape(-1).view(np.uint8).data)
 
 
 def _np(a):
@@ -63,6 +74,15 @@ def _llama_config(heads, target, fmt: str) -> dict:
             "torch_dtype": c.dtype, "num_hidden_layers": 1}
 
 
+def _vocab_out(p: dict) -> dict:
+    """A draft vocabulary as EAGLE-3 stores it: `d2t` offsets (target id = draft id + offset) and
+    `t2d`, the target ids it holds marked."""
+    d2t = np.asarray(p["d2t"], np.int64)
+    t2d = np.zeros(np.asarray(p["t2d"]).shape, bool)
+    t2d[d2t] = True
+    return {"d2t": d2t - np.arange(len(d2t), dtype=np.int64), "t2d": t2d}
+
+
 def _layer_out(lp: dict, pre: str, input_norm: str | None) -> dict:
     t = lambda k: np.ascontiguousarray(_np(lp[k]).T)  # noqa: E731
     a, m = pre + "self_attn.", pre + "mlp."
@@ -86,9 +106,6 @@ def _export_eagle(heads, target):
         raise SpecJaxError("these EAGLE heads read the target's features before its final norm; "
                            "published EAGLE heads read them after it (train with "
                            "--eagle-features post)")
-    if "d2t" in p:
-        raise SpecJaxError("these EAGLE heads draft over a draft vocabulary, which published "
-                           "EAGLE-1/2 heads do not have")
     n = num_layers_of(p)
     bias = bool(hp.get("fc_bias", True))
     if not bias and np.any(_np(p["fc_b"]) != 0):
@@ -103,7 +120,11 @@ def _export_eagle(heads, target):
     conf.update(num_hidden_layers=n, bias=bias)
     if "bq" in p["layer"]:
         conf["qkv_bias"] = True
-    return {"model.safetensors": out}, conf
+    files = {"model.safetensors": out}
+    if "d2t" in p:
+        files[DRAFT_VOCAB] = _vocab_out(p)
+        conf["draft_vocab_size"] = len(files[DRAFT_VOCAB]["d2t"])
+    return files, conf
 
 
 def _export_eagle3(heads, target):
@@ -114,47 +135,49 @@ def _export_eagle3(heads, target):
     out.update(_layer_out(lp, "midlayer.", None))
     out["midlayer.input_layernorm.weight"] = _np(lp["input_norm"])
     out["midlayer.hidden_norm.weight"] = _np(lp["hidden_norm"])
-    d2t = np.asarray(p["d2t"], np.int64)
-    out["d2t"] = d2t - np.arange(len(d2t), dtype=np.int64)
-    t2d = np.zeros(np.asarray(p["t2d"]).shape, bool)
-    t2d[d2t] = True
-    out["t2d"] = t2d
+    out.update(_vocab_out(p))
     conf = _llama_config(heads, target, "eagle3")
     if not (heads.hparams.get("published") or {}).get("config"):
         conf["architectures"] = ["LlamaForCausalLMEagle3"]
-    conf.update(draft_vocab_size=len(d2t), target_hidden_size=int(out["fc.weight"].shape[1] // 3),
-                num_hidden_layers=1)
+    conf.update(draft_vocab_size=len(out["d2t"]),
+                target_hidden_size=int(out["fc.weight"].shape[1] // 3), num_hidden_layers=1)
     return {"model.safetensors": out}, conf
 
 
 def _export_medusa(heads, target):
-    from spec_jax.models.llama import lm_head_weight
+    """Head i: its ResBlocks `{i}.{j}.linear.*`, then its LM head `{i}.{layers}.weight`: its own
+    ([V, H], or [Vd, H] over a draft vocabulary), else a copy of the target's [V, H] (every head
+    the same array: one copy in memory), which `import_heads` reads back as the target's."""
+    from spec_jax.convert.heads_io import _target_rows
+    from spec_jax.heads.medusa import num_layers_of
 
     p, hp = heads.params, heads.hparams
-    if "d2t" in p:
-        raise SpecJaxError("these Medusa heads draft over a draft vocabulary, which published "
-                           "Medusa heads do not have")
-    k = int(p["w"].shape[0])
+    k, layers = int(p["w"].shape[0]), num_layers_of(p)
     if "lm_heads" in p:
-        lms = _np(p["lm_heads"])
+        lms = [np.ascontiguousarray(a.T) for a in _np(p["lm_heads"])]
     elif target is not None:
-        lms = np.broadcast_to(_np(lm_head_weight(target.params))[None], (k,) + p["w"].shape[2:]
-                              + (target.cfg.vocab_size,))
+        lms = [np.ascontiguousarray(_target_rows(target), _np(p["w"]).dtype)] * k
     else:
         raise SpecJaxError("these Medusa heads share the target's LM head; published Medusa heads "
                            "have one each: pass --target to copy the target's into every head")
+    ws = [_np(p["w"])] + list(_np(p["w_rest"]) if layers > 1 else [])
+    bs = [_np(p["b"])] + list(_np(p["b_rest"]) if layers > 1 else [])
     out = {}
-    w, b = _np(p["w"]), _np(p["b"])
     for i in range(k):
-        out[f"{i}.0.linear.weight"] = np.ascontiguousarray(w[i].T)
-        out[f"{i}.0.linear.bias"] = b[i]
-        out[f"{i}.1.weight"] = np.ascontiguousarray(np.asarray(lms[i]).T)
+        for j in range(layers):
+            out[f"{i}.{j}.linear.weight"] = np.ascontiguousarray(ws[j][i].T)
+            out[f"{i}.{j}.linear.bias"] = bs[j][i]
+        out[f"{i}.{layers}.weight"] = lms[i]
     pub = hp.get("published") or {}
     conf = dict(pub["config"]) if pub.get("format") == "medusa" and pub.get("config") else {}
-    conf.update(medusa_num_heads=k, medusa_num_layers=1)
+    conf.update(medusa_num_heads=k, medusa_num_layers=layers)
     conf.setdefault("base_model_name_or_path",
                     str(target.path) if target is not None and target.path else "")
-    return {"medusa_lm_head.safetensors": out}, conf
+    files = {"medusa_lm_head.safetensors": out}
+    if "d2t" in p:
+        files[DRAFT_VOCAB] = _vocab_out(p)
+        conf["draft_vocab_size"] = len(files[DRAFT_VOCAB]["d2t"])
+    return files, conf
 
 
 EXPORTERS = {"eagle": _export_eagle, "eagle3": _export_eagle3, "medusa": _export_medusa}

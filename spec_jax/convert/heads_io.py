@@ -8,7 +8,14 @@ whose shape does not fit the target is a one-line SpecJaxError naming it and bot
 nothing is written. Where the published head differs from a fresh spec_jax head, the difference is
 carried by what the params hold (EAGLE's fc bias as zeros when the file has none, q/k/v biases as
 `bq`/`bk`/`bv`, an MTP module's own output norm as `out_norm`, MiMo's [hidden; embedding] input
-projection as its rows swapped) or by an hparam (EAGLE `features` "post", MTP `features` "post").
+projection as its rows swapped, Medusa's ResBlocks after the first as `w_rest`/`b_rest`) or by an
+hparam (EAGLE `features` "post", MTP `features` "post", Medusa `num_layers`). Medusa LM heads that
+are exactly the target's are not kept: the heads read the target's, as fresh spec_jax heads do.
+
+A draft vocabulary (spec_jax.heads.vocab) travels with EAGLE-1/2 and Medusa heads, whose published
+layouts have none, as `draft_vocab.safetensors` beside the weights: `d2t` and `t2d` as EAGLE-3
+stores them (target id = draft id + d2t[draft id]; t2d marks the target ids). Engines that do not
+read it run the heads over the full vocabulary (still lossless; their drafts may differ).
 
 Safetensors are read here without PyTorch (only the tensors asked for); `pytorch_model.bin` /
 `*.pt` files only through `torch.load(..., weights_only=True)`, never unrestricted pickle.
@@ -26,6 +33,7 @@ import numpy as np
 from spec_jax.errors import SpecJaxError
 
 FORMATS = ("eagle", "eagle3", "medusa", "mtp")
+DRAFT_VOCAB = "draft_vocab.safetensors"  # a draft vocabulary beside EAGLE-1/2 or Medusa weights
 METHOD_OF = {"eagle": "eagle", "eagle3": "eagle3", "medusa": "medusa", "mtp": "mtp"}
 
 
@@ -57,7 +65,7 @@ class Tensors:
         else:
             files = [path / p for p in prefer if (path / p).is_file()]
             if not files:
-                files = sorted(path.glob("*.safetensors"))
+                files = sorted(p for p in path.glob("*.safetensors") if p.name != DRAFT_VOCAB)
             if not files:
                 files = sorted(path.glob("pytorch_model*.bin")) or sorted(path.glob("*.pt")) \
                     or sorted(path.glob("*.bin"))
@@ -270,10 +278,73 @@ def _inter(r: _Reader, name: str, conf: dict, cfg) -> int:
     return int(r.src.shape(real)[0]) if real in r.src else cfg.intermediate_size
 
 
+def _d2t_ids(r: _Reader, vd: int, v: int) -> np.ndarray:
+    """The target ids [vd] of a draft vocabulary stored as EAGLE-3 stores it (`d2t` offsets, and
+    `t2d` marks where present), checked to be distinct ids of the target's vocabulary of `v`."""
+    src = r.src
+    off = r.raw("d2t", (vd,)) if "d2t" in src or vd != v else np.zeros(vd, np.int64)
+    ids = np.arange(vd, dtype=np.int64) + np.asarray(off, np.int64)
+    if ids.min() < 0 or ids.max() >= v or len(np.unique(ids)) != vd:
+        raise SpecJaxError(f"tensor d2t in {src.path} maps draft ids outside the target's "
+                           f"vocabulary of {v} or onto one id twice: not EAGLE-3 offsets")
+    if "t2d" in src:
+        t2d = np.asarray(r.raw("t2d", (v,)), bool)
+        if int(t2d.sum()) != vd or not t2d[ids].all():
+            raise SpecJaxError(f"tensors d2t and t2d in {src.path} disagree: t2d marks "
+                               f"{int(t2d.sum())} target ids, d2t maps {vd} others")
+    return ids
+
+
+def _draft_vocab(src: Tensors, fmt: str, v: int) -> np.ndarray | None:
+    """The draft vocabulary (target ids) in `draft_vocab.safetensors` beside the heads, or None."""
+    folder = src.path if src.path.is_dir() else src.path.parent
+    if not (folder / DRAFT_VOCAB).is_file():
+        return None
+    r = _Reader(Tensors(folder / DRAFT_VOCAB), fmt, None)
+    if "d2t" not in r.src:
+        raise SpecJaxError(f"{folder / DRAFT_VOCAB} lacks tensor d2t (the draft vocabulary)")
+    vd = int(r.src.shape("d2t")[0])
+    want = src.config.get("draft_vocab_size")
+    if want is not None and int(want) != vd:
+        raise SpecJaxError(f"the {fmt} heads' config.json has draft_vocab_size {want}, but tensor "
+                           f"d2t in {folder / DRAFT_VOCAB} maps {vd} ids")
+    if vd > v:
+        raise SpecJaxError(f"the {fmt} heads' draft vocabulary ({vd}) exceeds the target's "
+                           f"vocabulary ({v}): these heads were made for another target")
+    ids = _d2t_ids(r, vd, v)
+    r.check_unused()
+    return ids
+
+
+def _target_rows(target) -> np.ndarray:
+    """The target's LM head as rows [V, H] (its embedding where tied)."""
+    from pallas_kernels.cpu.gemm import unpack_all
+
+    p = target.params
+    if "lm_head" not in p:
+        return np.asarray(p["embed"])
+    return np.asarray(unpack_all({"w": p["lm_head"]})["w"]).T
+
+
+def _equals_rows(src: Tensors, name: str, rows: np.ndarray, dtype, ids=None) -> bool:
+    """Whether tensor `name` [n, H] equals `rows` (or rows[ids]) once cast to `dtype`, compared a
+    block of rows at a time: no copy of a whole LM head."""
+    n, h = src.shape(name)
+    step = max(1, (16 << 20) // (4 * h))
+    for r0 in range(0, n, step):
+        r1 = min(n, r0 + step)
+        mine = np.asarray(src.rows(name, r0, r1), np.float32).astype(dtype)
+        theirs = rows[r0:r1] if ids is None else rows[ids[r0:r1]]
+        if not np.array_equal(np.asarray(mine, np.float32), np.asarray(theirs, np.float32)):
+            return False
+    return True
+
+
 # ---------------------------------------------------------------- per format
 
 def _import_eagle(src: Tensors, target, dtype):
     from spec_jax.heads import eagle
+    from spec_jax.heads.vocab import vocab_maps
 
     cfg, conf = target.cfg, src.config
     h = cfg.hidden_size
@@ -298,6 +369,10 @@ def _import_eagle(src: Tensors, target, dtype):
     r.check_embed(cfg)
     r.check_unused(allowed=(ROTARY,))
     hp = {**eagle.METHOD.defaults, "num_layers": int(n), "features": "post", "fc_bias": bool(bias)}
+    ids = _draft_vocab(src, "eagle", cfg.vocab_size)
+    if ids is not None:  # drafts over the target's LM head restricted to these ids
+        params.update({k: np.asarray(a) for k, a in vocab_maps(ids, cfg.vocab_size).items()})
+        hp["draft_vocab"] = len(ids)
     return params, hp
 
 
@@ -327,19 +402,8 @@ def _import_eagle3(src: Tensors, target, dtype):
     params = {"fc_w": r.take("fc.weight", (h, 3 * h), True), "layer": layer,
               "norm": r.take("norm.weight", (h,)),
               "lm_head": r.take("lm_head.weight", (vd, h), True)}
-    if "d2t" in src or vd != v:
-        off = np.asarray(r.raw("d2t", (vd,)), np.int64)
-        ids = np.arange(vd, dtype=np.int64) + off
-        if ids.min() < 0 or ids.max() >= v or len(np.unique(ids)) != vd:
-            raise SpecJaxError(f"tensor d2t in {src.path} maps draft ids outside the target's "
-                               f"vocabulary of {v} or onto one id twice: not EAGLE-3 offsets")
-    else:
-        ids = np.arange(vd, dtype=np.int64)
-    if "t2d" in src:
-        t2d = np.asarray(r.raw("t2d", (v,)), bool)
-        if int(t2d.sum()) != vd or not t2d[ids].all():
-            raise SpecJaxError(f"tensors d2t and t2d in {src.path} disagree: t2d marks "
-                               f"{int(t2d.sum())} target ids, d2t maps {vd} others")
+    ids = _d2t_ids(r, vd, v) if "d2t" in src or "t2d" in src or vd != v else \
+        np.arange(vd, dtype=np.int64)
     params.update({k: np.asarray(a) for k, a in vocab_maps(ids, v).items()})
     r.check_embed(cfg)
     r.check_unused(allowed=(ROTARY,))
@@ -348,33 +412,85 @@ def _import_eagle3(src: Tensors, target, dtype):
 
 
 def _import_medusa(src: Tensors, target, dtype):
+    """Medusa-1 heads: head i is `{i}.{j}.linear.*` for its ResBlocks j < medusa_num_layers, then
+    its LM head `{i}.{layers}.weight` ([V, H], or [Vd, H] over a draft vocabulary). The published
+    code repeats one ResBlock module `layers` times, so its files hold equal copies of block 0
+    (torch.save) or block 0 alone (a deduplicating save): the latter imports as `layers` copies."""
     cfg, conf = target.cfg, src.config
     h, v = cfg.hidden_size, cfg.vocab_size
     _check_config(conf, cfg, {"hidden_size": h, "vocab_size": v}, "medusa")
-    pre = "medusa_head." if any(k.startswith("medusa_head.") for k in src.names()) else ""
-    layers = int(conf.get("medusa_num_layers", 1))
-    if layers != 1:
-        raise SpecJaxError(f"the Medusa heads have medusa_num_layers {layers}: spec_jax's Medusa "
-                           "heads have one ResBlock each")
+    names = src.names()
+    pre = "medusa_head." if any(k.startswith("medusa_head.") for k in names) else ""
     found = sorted({int(m.group(1)) for m in (re.match(re.escape(pre) + r"(\d+)\.", k)
-                                               for k in src.names()) if m})
+                                               for k in names) if m})
     k = len(found) if found else int(conf.get("medusa_num_heads", 0))
     if k == 0:
         raise SpecJaxError(f"{src.path} lacks tensor 0.0.linear.weight: no Medusa heads in it"
-                           + (f" (it looks like {_guess(src.names())!r} heads)"
-                              if _guess(src.names()) else ""))
+                           + (f" (it looks like {_guess(names)!r} heads)" if _guess(names) else ""))
+    layers = conf.get("medusa_num_layers")
+    if layers is None:  # the LM head is head 0's one tensor `0.{n}.weight` outside a ResBlock
+        lm = [int(m.group(1)) for m in (re.fullmatch(re.escape(pre) + r"0\.(\d+)\.weight", n)
+                                        for n in names) if m]
+        layers = lm[0] if len(lm) == 1 else 1
+    if not isinstance(layers, int) or layers < 1:
+        raise SpecJaxError(f"the Medusa heads' config.json has medusa_num_layers {layers!r}: "
+                           "expected an integer >= 1")
     r = _Reader(src, "medusa", dtype, rename=lambda n: pre + n)
-    params = {"w": np.stack([r.take(f"{i}.0.linear.weight", (h, h), True) for i in range(k)]),
-              "b": np.stack([r.take(f"{i}.0.linear.bias", (h,)) for i in range(k)]),
-              "lm_heads": np.stack([r.take(f"{i}.1.weight", (v, h), True) for i in range(k)])}
+    shared = layers > 1 and not any(r.has(f"{i}.{j}.linear.weight") for i in range(k)
+                                    for j in range(1, layers))
+
+    def block(j):  # ResBlock j of every head: ([K, H, H], [K, H])
+        j = 0 if shared else j
+        return (np.stack([r.take(f"{i}.{j}.linear.weight", (h, h), True) for i in range(k)]),
+                np.stack([r.take(f"{i}.{j}.linear.bias", (h,)) for i in range(k)]))
+
+    params = dict(zip(("w", "b"), block(0)))
+    if layers > 1:
+        rest = [block(j) for j in range(1, layers)]
+        params.update(w_rest=np.stack([w for w, _ in rest]), b_rest=np.stack([b for _, b in rest]))
+    ids = _draft_vocab(src, "medusa", v)
+    hp = {"num_heads": k, **({"num_layers": layers} if layers > 1 else {})}
+    lm = [f"{i}.{layers}.weight" for i in range(k)]
+    full = ids is None or r.has(lm[0]) and tuple(src.shape(r.rename(lm[0]))) == (v, h)
+    for name in lm:
+        r.check(name, (v, h) if full else (len(ids), h))
+    rows = _target_rows(target)  # LM heads exactly the target's: read from it, as fresh heads do
+    if not all(_equals_rows(src, r.rename(n), rows, dtype, None if full else ids) for n in lm):
+        heads = [r.take(n, (v, h) if full else (len(ids), h)) for n in lm]
+        if ids is not None and full:
+            heads = [a[ids] for a in heads]
+        params["lm_heads"] = np.stack([np.ascontiguousarray(a.T) for a in heads])
+        hp["own_lm_heads"] = True
+    if ids is not None:
+        from spec_jax.heads.vocab import vocab_maps
+
+        params.update({key: np.asarray(a) for key, a in vocab_maps(ids, v).items()})
+        hp["draft_vocab"] = len(ids)
     # a Medusa-2 checkpoint also holds the whole base model: only its medusa_head.* are heads
     r.check_unused(allowed=(r"(?!medusa_head\.).*",) if pre else ())
-    return params, {"num_heads": k, "own_lm_heads": True}
+    return params, hp
+
+
+MLA = r"self_attn\.(q_a_proj|q_a_layernorm|q_b_proj|kv_a_proj_with_mqa|kv_a_layernorm|kv_b_proj)\."
+MOE = r"mlp\.(gate|experts|shared_experts)\."
+
+
+def _check_llama_block(src: Tensors, pre: str) -> None:
+    """spec_jax's MTP modules are Llama decoder layers: a module with multi-head latent attention
+    or a mixture-of-experts MLP (DeepSeek-V3's own MTP layers) is refused, naming its first such
+    tensor, before anything else is read."""
+    for pattern, what, ours in ((MLA, "multi-head latent attention (DeepSeek-V3's MLA)",
+                                 "q/k/v/o projections"),
+                                (MOE, "a mixture-of-experts MLP", "a dense gate/up/down MLP")):
+        hit = next((n for n in src.names() if n.startswith(pre)
+                    and re.match(re.escape(pre) + pattern, n)), None)
+        if hit is not None:
+            raise SpecJaxError(f"tensor {hit} in {src.path}: this MTP module has {what}, but "
+                               f"spec_jax's MTP modules are Llama decoder layers ({ours})")
 
 
 def _import_mtp(src: Tensors, target, dtype):
     from spec_jax.heads import mtp
-    from spec_jax.models.llama import lm_head_weight
 
     cfg, conf = target.cfg, src.config
     h, v = cfg.hidden_size, cfg.vocab_size
@@ -397,6 +513,7 @@ def _import_mtp(src: Tensors, target, dtype):
     r = _Reader(src, "mtp", dtype)
     mods, out_norms = [], []
     for pre in pres:
+        _check_llama_block(src, pre)
         if mimo:
             w = r.take(pre + "input_proj.weight", (h, 2 * h))  # [hidden; embedding] columns
             m = {"enorm": r.take(pre + "token_layernorm.weight", (h,)),
@@ -412,15 +529,9 @@ def _import_mtp(src: Tensors, target, dtype):
             head = pre + "shared_head.head.weight"
             if head in src:  # compared a block of rows at a time: no copies of a whole head
                 r.check(head, (v, h))
-                theirs = lm_head_weight(target.params)
-                step = max(1, (16 << 20) // (4 * h))
-                for r0 in range(0, v, step):
-                    r1 = min(v, r0 + step)
-                    mine = np.asarray(src.rows(head, r0, r1), np.float32).astype(dtype)
-                    if not np.array_equal(np.asarray(mine, np.float32),
-                                          np.asarray(theirs[:, r0:r1], np.float32).T):
-                        raise SpecJaxError(f"tensor {head} in {src.path} is not the target's LM "
-                                           "head: spec_jax's MTP modules share the target's")
+                if not _equals_rows(src, head, _target_rows(target), dtype):
+                    raise SpecJaxError(f"tensor {head} in {src.path} is not the target's LM "
+                                       "head: spec_jax's MTP modules share the target's")
         m["layer"] = _layer(r, pre, cfg, h, _inter(r, pre + "mlp.gate_proj.weight", conf, cfg),
                             "input_layernorm.weight")
         out_norms.append((out, r.take(out, (h,))))

@@ -1,5 +1,10 @@
 """Medusa heads: K residual blocks x + SiLU(W x + b) (W zero-initialised) on the target's
-normalised last hidden state; head i proposes the token i+2 ahead. The candidates form a static
+normalised last hidden state; head i proposes the token i+2 ahead. With `num_layers` R > 1 (the
+published `medusa_num_layers`) each head runs R such blocks in turn, the first as `w`/`b`, the
+others as `w_rest` [R-1, K, H, H] / `b_rest` [R-1, K, H] (a leading block axis: indexing it takes
+one contiguous slice). Each block has weights of its own; the published Medusa code builds its R
+blocks as one module repeated, so its checkpoints hold R equal copies (or, saved deduplicated,
+only block 0), which import as R equal blocks. The candidates form a static
 tree whose node at depth d with rank r takes the r-th best token of head d-1, or a dynamic one
 (`dynamic`: top_k, depth, total_tokens): EAGLE-2's selection over the heads' log-probabilities,
 with the heads' independent guesses standing in for a drafter's successive ones — a node at depth
@@ -35,11 +40,27 @@ from spec_jax.tree import (
 )
 
 
-def init_params(cfg, key, scale=0.0, num_heads: int = 4):
+def init_params(cfg, key, scale=0.0, num_heads: int = 4, num_layers: int = 1):
     h = cfg.hidden_size
     dt = jnp.dtype(cfg.dtype)
-    return {"w": (scale * jax.random.normal(key, (num_heads, h, h))).astype(dt),
-            "b": jnp.zeros((num_heads, h), dt)}
+    params = {"w": (scale * jax.random.normal(key, (num_heads, h, h))).astype(dt),
+              "b": jnp.zeros((num_heads, h), dt)}
+    if num_layers > 1:  # the blocks after the first (one-block heads draw the same `w` as before)
+        shape = (num_layers - 1, num_heads, h, h)
+        params["w_rest"] = (scale * jax.random.normal(jax.random.fold_in(key, 1), shape)).astype(dt)
+        params["b_rest"] = jnp.zeros(shape[:-1], dt)
+    return params
+
+
+def num_layers_of(params) -> int:
+    """ResBlocks per head (1 + the blocks in `w_rest`)."""
+    return 1 + (int(params["w_rest"].shape[0]) if "w_rest" in params else 0)
+
+
+def _check(hparams: dict) -> None:
+    r = hparams.get("num_layers", 1)
+    if not isinstance(r, int) or isinstance(r, bool) or r < 1:
+        raise SpecJaxError(f"Medusa num_layers {r!r}: the ResBlocks per head, an integer >= 1")
 
 
 def add_lm_heads(params: dict, tparams, tcfg) -> dict:
@@ -63,6 +84,9 @@ def medusa_logits(dparams, tparams, tcfg, hidden):
     """hidden [B, H] -> per-head logits [B, K, Vd] (float32; Vd = V without a draft vocabulary)."""
     h = rms_norm(hidden, tparams["final_norm"], tcfg.rms_norm_eps)[:, None, :]  # [B, 1, H]
     z = h + jax.nn.silu(jnp.einsum("bxh,khd->bkd", h, dparams["w"]) + dparams["b"])
+    for j in range(num_layers_of(dparams) - 1):  # further ResBlocks, each with its own weights
+        z = z + jax.nn.silu(jnp.einsum("bkh,khd->bkd", z, dparams["w_rest"][j])
+                            + dparams["b_rest"][j])
     if "lm_heads" in dparams:  # all K: slicing the weights first copies them (XLA:CPU, 10x slower)
         return jnp.einsum("bkh,khv->bkv", z, dparams["lm_heads"], preferred_element_type=jnp.float32)
     return dot_f32(z, shared_head_weight(dparams, tparams, tcfg))
@@ -181,10 +205,12 @@ def head_logits(dparams, tparams, tcfg, feats):
 
 METHOD = Method(
     name="medusa", title="Medusa",
-    defaults={"num_heads": 4},  # "own_lm_heads": True gives each head its own LM head
+    # "own_lm_heads": True gives each head its own LM head; "num_layers": R > 1 R ResBlocks each
+    defaults={"num_heads": 4},
     init_params=lambda tcfg, key, scale, hp, d2t: (
-        init_params(tcfg, key, scale, num_heads=hp["num_heads"]), hp),
-    drafter=_drafter, grow=_grow,
+        init_params(tcfg, key, scale, num_heads=hp["num_heads"],
+                    num_layers=hp.get("num_layers", 1)), hp),
+    drafter=_drafter, grow=_grow, check=_check,
     profile_depth=lambda hp: int(hp["num_heads"]), head_logits=head_logits,
     flags=("--own-lm-heads",),
     flag_hparams=lambda layers, features, own_lm_heads: (
