@@ -9,6 +9,7 @@ versus drafting and bookkeeping (the rest of each step).
 
 `--calibrate` (and any `HEADS@auto`) sizes the tree with `spec_jax.sizing` and plots its curve;
 `--calibrate-on FILE` sizes it on prompts of the user's own workload instead of the built-in ones.
+`--batch-sizes 1,4,16` measures total throughput per batch size instead (`spec_jax.bench_batch`).
 """
 from __future__ import annotations
 
@@ -330,6 +331,11 @@ def bench_cli(a):
                            f"this model's {n} layers, not {a.assistant_layers}")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    if getattr(a, "batch_sizes", None):  # throughput per batch size instead (spec_jax.bench_batch)
+        from spec_jax.bench_batch import batch_cli
+
+        batch_cli(a, target, out)
+        return
     sets = {}
     for path in a.prompts or [prompt_set("mt_bench")]:
         ps = spread(read_prompts(path), a.limit)

@@ -511,3 +511,66 @@ def test_mt_bench_records_keep_both_turns():
     assert conversation(("a", "b", "c"), [" x "]) == [
         {"role": "user", "content": "a"}, {"role": "assistant", "content": "x"},
         {"role": "user", "content": "b"}]
+
+
+def test_the_batch_table_sizes_every_batch_size_on_its_own(tiny_target, tmp_path, monkeypatch):
+    """`spec-jax bench --batch-sizes 1,16`: one row per (batch size, method), every batch size
+    over the same prompts; each drafter's tree "auto" is asked of the sizing with the batch size
+    it runs at, so a choice cached for batch 1 is not reused at batch 16 (there the sizing chose
+    plain decoding for the heads); greedy rows equal plain decoding's."""
+    import json
+
+    import spec_jax
+    import spec_jax.data
+    from spec_jax import sizing
+    from spec_jax.cli import main
+    from spec_jax.data import Prompt
+    from spec_jax.heads.registry import save_draft
+
+    monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
+    save_draft(spec_jax.init_draft(tiny_target, "eagle", seed=1, scale=0.3), tmp_path / "h")
+    heads = spec_jax.load_draft(tmp_path / "h")
+    # as a sizing at batch 1 stores it: a static tree, measured faster than plain decoding
+    won = lambda tree: [{"tree": sizing.PLAIN, "tokens_per_second": 1.0, "tau": 1.0},  # noqa: E731
+                        {"tree": tree, "tokens_per_second": 2.0, "tau": 2.0}]
+    sizing._store(sizing.calibration_key(tiny_target, heads, 1),
+                  {"tree": [[0], [1]], "measured": won([[0], [1]])})
+    asked = []
+
+    def size_tree(target, h, prompts=None, batch=1, **kw):
+        asked.append(("eagle", batch))
+        report = {"tree": sizing.PLAIN, "measured": [
+            {"tree": sizing.PLAIN, "tokens_per_second": 2.0, "tau": 1.0}]}
+        sizing._store(sizing.calibration_key(target, h, batch), report)
+        return report["tree"], report
+
+    def size_ngram(target, prompts=None, batch=1, **kw):
+        asked.append(("ngram", batch))
+        report = {"tree": [[0], [0, 0]], "measured": won([[0], [0, 0]])}
+        sizing._store(sizing.ngram_key(target, batch), report)
+        return report["tree"], report
+
+    monkeypatch.setattr(sizing.calibrate, "size_tree", size_tree)
+    monkeypatch.setattr(sizing.calibrate, "size_ngram", size_ngram)
+    monkeypatch.setattr(spec_jax, "load_target", lambda *a, **k: tiny_target)
+    texts = [[1, 2, 3, 1, 2, 3], [4, 5, 6], [7, 8, 7, 8, 7], [9, 10]]
+    monkeypatch.setattr(spec_jax.data, "read_prompts", lambda path: [
+        Prompt(source="s", id=str(i), category=f"c{i % 2}", text=t) for i, t in enumerate(texts)])
+    out = tmp_path / "out"
+    assert main(["bench", "--batch-sizes", "1,16", "--drafts", "ngram", str(tmp_path / "h"),
+                 "--max-new-tokens", "5", "--limit", "4", "--no-peers", "--out", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())["batch_rows"]
+    assert [(r["batch"], r["method"]) for r in rows] == [
+        (1, "plain"), (1, "ngram"), (1, "eagle"), (16, "plain"), (16, "ngram"), (16, "eagle")]
+    assert sorted(set(asked)) == [("eagle", 16), ("ngram", 1), ("ngram", 16)]  # then cached
+    assert len(asked) == 3
+    trees = {(r["batch"], r["method"]): r["tree"] for r in rows}
+    assert trees[(1, "eagle")] == "auto: static 3 nodes, depth 1+plain<1.00"
+    assert trees[(16, "eagle")] == "auto: plain" and trees[(16, "ngram")].startswith("auto: chain:2")
+    for r in rows:  # 16 prompts at every batch size: 16 calls of 1 row, or 1 call of 16 rows
+        assert r["rows"] == 16 and r["calls"] == 16 // r["batch"] and r["new_tokens"] == 80
+        assert r["tokens_per_second"] > 0 and len(r["rounds_tokens_per_second"]) == 2
+        assert r["method"] == "plain" or r["equal_to_plain"] == "16/16"
+    assert trees[(1, "plain")] == "plain" and rows[0]["speedup"] == 1.0
+    table = (out / "results.md").read_text()
+    assert "| 16 | eagle | auto: plain |" in table and "host noise" in table

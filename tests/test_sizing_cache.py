@@ -1,4 +1,5 @@
-"""The sizing cache file under concurrent and broken use, and the registry of draft methods."""
+"""The sizing cache file under concurrent and broken use, its entries per batch size, and the
+registry of draft methods."""
 import json
 import threading
 import warnings
@@ -74,3 +75,70 @@ def test_methods_are_looked_up_and_an_unknown_one_is_named(tiny_target, tmp_path
     (tmp_path / "h" / "spec_jax.json").write_text(json.dumps({**meta, "method": "hydra"}))
     with pytest.raises(SpecJaxError, match="unknown draft method 'hydra'.*eagle, eagle3, medusa"):
         spec_jax.load_draft(tmp_path / "h")
+
+
+def test_a_batch_is_sized_at_its_power_of_two_bucket(tiny_target, tmp_path, monkeypatch):
+    """Sizings are measured and cached per batch bucket (the next power of two): a call of 3 rows
+    is sized at 4 rows, under the key of batch 4, and never takes batch 1's choice."""
+    from spec_jax import sizing
+
+    monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
+    assert [sizing.batch_bucket(b) for b in (1, 2, 3, 4, 5, 9, 16, 17)] == [1, 2, 4, 4, 8, 16, 16, 32]
+    heads = object.__new__(type("H", (), {"method": "eagle", "fingerprint": lambda self: "f"}))
+    key = lambda b: sizing.calibration_key(tiny_target, heads, b)  # noqa: E731
+    assert key(3) == key(4) != key(1) and key(16) != key(1) and key(1).endswith("|1")
+    batches = []
+
+    def verify(target, sizes, batch=1):
+        batches.append(batch)
+        return {t: 0.01 for t in sizes}
+
+    monkeypatch.setattr(sizing.calibrate, "verify_latency", verify)
+    rows = []
+    real = sizing.calibrate._measure
+    monkeypatch.setattr(sizing.calibrate, "_measure", lambda target, groups, *a, **k: (
+        rows.append({len(g) for g in groups}) or real(target, groups, *a, **k)))
+    tree, _ = sizing.size_ngram(tiny_target, [[1, 2, 3, 1, 2, 3], [4, 5, 4, 5]], batch=3,
+                                max_new_tokens=6, progress=False)
+    assert set(batches) == {4} and all(r == {4} for r in rows)
+    assert sizing.cached_ngram(tiny_target, batch=3) == sizing.cached_ngram(tiny_target, batch=4)
+    assert sizing.cached_ngram(tiny_target, batch=4) == tree
+    assert sizing.cached_ngram(tiny_target, batch=1) is None
+
+
+
+def test_at_a_batch_speculation_must_beat_plain_decoding_by_more_than_the_noise(
+        tiny_target, tmp_path, monkeypatch):
+    """One row: a tree within the noise of plain decoding, or its fallback tying with it, is
+    chosen (the one-row rules). Several rows: the loop takes a tree step whenever any row wants
+    one, so a tie goes to plain decoding; a clear lead still speculates. A cached sizing is
+    re-decided at the batch size it was stored for."""
+    from spec_jax import sizing
+
+    monkeypatch.setenv("SPEC_JAX_CACHE", str(tmp_path))
+    tree, point = [[0], [1]], [1.9, 2.0]
+
+    def m(t, tps, runs=None, **kw):
+        return {"tree": t, "tokens_per_second": tps, "tau": 1.0 if t == sizing.PLAIN else 2.0,
+                "runs_tokens_per_second": runs or [tps, tps], **kw}
+
+    tie = [m(sizing.PLAIN, 100.0), m(tree, 101.0)]
+    fb_tie = [m(sizing.PLAIN, 100.0), m(tree, 90.0), m(tree, 100.5, fallback=point,
+                                                        plain_step_share=0.5)]
+    lead = [m(sizing.PLAIN, 100.0), m(tree, 120.0)]
+    for measured, one_row in ((tie, tree), (fb_tie, tree), (lead, tree)):
+        assert sizing.choose(measured)["tree"] == one_row
+    assert sizing.choose(fb_tie).get("fallback") == point
+    assert sizing.chosen_fallback(fb_tie) == tuple(point)
+    assert sizing.choose(tie, 4)["tree"] == sizing.choose(fb_tie, 16)["tree"] == sizing.PLAIN
+    assert sizing.chosen_fallback(tie, 4) is sizing.chosen_fallback(fb_tie, 16) is None
+    assert sizing.choose(lead, 16)["tree"] == tree
+    # the noise is the rounds' own spread where it is above 3%: a 6% lead within 8% is a tie
+    noisy = [m(sizing.PLAIN, 100.0, [92.0, 100.0]), m(tree, 106.0, [97.5, 106.0])]
+    assert sizing.choose(noisy)["tree"] == tree and sizing.choose(noisy, 4)["tree"] == sizing.PLAIN
+    heads = object.__new__(type("H", (), {"method": "eagle", "fingerprint": lambda self: "f"}))
+    for b in (1, 4):
+        sizing._store(sizing.calibration_key(tiny_target, heads, b), {"tree": tree, "measured": tie})
+    assert sizing.cached_tree(tiny_target, heads, 1) == tree
+    assert sizing.cached_tree(tiny_target, heads, 3) == sizing.PLAIN  # sized at 4
+    assert sizing.cached_choice(tiny_target, heads, 4) == (sizing.PLAIN, None)

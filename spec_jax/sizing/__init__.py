@@ -40,8 +40,10 @@ tokens per call on MT-bench against 2.31 greedy (2.08 against 2.35 on HumanEval)
 chose shallower head arms than for greedy decoding.
 
 The choice is cached per device kind, target (and its layer layout: packed CPU matmuls change every
-cost), heads (method + weights fingerprint) and batch. The verify-latency curve is cached per
-device kind, target and batch, shared by every drafter's calibration, and each new calibration
+cost), heads (method + weights fingerprint) and batch bucket (`batch_bucket`: the next power of two
+of a call's rows; a bigger batch makes verification costlier, and there the sizing may choose a
+smaller tree or plain decoding). The verify-latency curve is cached per device kind, target and
+batch bucket, shared by every drafter's calibration, and each new calibration
 keeps the fastest reading per size (`shared_verify_latency`).
 
 The package, arrows pointing down: `names` (PLAIN and the names of choices), `choice` (deciding
@@ -55,6 +57,7 @@ re-exported here; to patch a name for a test, patch it in the module that looks 
 from spec_jax.sizing.cache import (
                                    _cache,
                                    _store,
+                                   batch_bucket,
                                    cache_file,
                                    cached_choice,
                                    cached_ngram,
@@ -111,7 +114,7 @@ from spec_jax.sizing.search import (
 __all__ = ["CALIBRATION_TOKENS", "DEFAULT_PROMPTS", "DS_DEPTHS", "DS_MARGIN", "FALLBACK_ACTED",
            "FALLBACK_TIE_SHARE", "GRAFT_DEPTHS", "NGRAM_CHAINS", "PLAIN", "PROBE_MARGIN",
            "SWITCH_MIN_POSITIONS", "SWITCH_SIZES", "TREE_SIZES", "_best_time", "_cache", "_measure",
-           "_replay", "_store", "best_trees", "break_even", "cache_file", "cached_choice",
+           "_replay", "_store", "batch_bucket", "best_trees", "break_even", "cache_file", "cached_choice",
            "cached_ngram", "cached_tree", "calibration_key", "chain_profile", "choice_name",
            "choice_of", "choose", "chosen_fallback", "contenders", "draft_latency",
            "fallback_point", "match_profile", "measured_name", "ngram_key", "pick_winner",

@@ -1,6 +1,7 @@
 """The sizing cache: one JSON file under $SPEC_JAX_CACHE (`cache_file`) holding every sizing
-report, keyed by device kind, target (weights and layout), heads, batch, datastore and sampling
-setting (`calibration_key`, `ngram_key`), and the target's verify-latency curves (`verify_key`).
+report, keyed by device kind, target (weights and layout), heads, batch bucket (`batch_bucket`),
+datastore and sampling setting (`calibration_key`, `ngram_key`), and the target's verify-latency
+curves (`verify_key`).
 
 Writers (sizings running side by side, in several processes) take a lock on a side file around
 their read-modify-write and write a fresh temporary file of their own that replaces the cache
@@ -30,17 +31,28 @@ def cache_file() -> Path:
     return cache_dir() / "trees-v8.json"  # v8: a switch is charged the draft depth of the arms it uses
 
 
+def batch_bucket(batch: int) -> int:
+    """The batch size a sizing is measured and cached at for a call of `batch` rows: the next
+    power of two. A bigger batch makes a tree's verification costlier relative to its drafting,
+    so each batch size has a sizing of its own; bucketing keeps them few (1, 2, 4, 8, 16, ...)
+    and measures a call's batch at no fewer rows than it runs."""
+    batch = int(batch)
+    if batch < 1:
+        raise ValueError(f"a batch has at least one row, not {batch}")
+    return 1 << (batch - 1).bit_length()
+
+
 def _target_parts(target, batch: int) -> tuple[str, str, str, str, str]:
     """What every cost measured here depends on besides the heads: device kind, target weights,
-    layer layout (with the CPU kernels' build, whose speed it is), attention kernel, batch (the
-    parts of both cache keys, in key order)."""
+    layer layout (with the CPU kernels' build, whose speed it is), attention kernel, batch bucket
+    (`batch_bucket`) (the parts of both cache keys, in key order)."""
     from pallas_kernels.cpu.build import build_id
     from pallas_kernels.dispatch import default_impl
 
     build = build_id()
     return (jax.devices()[0].device_kind, target.fingerprint(),
             target.layout + ("-u8" if target.weight_codes else "") + (f"@{build}" if build else ""),
-            f"attn-{default_impl()}", str(batch))
+            f"attn-{default_impl()}", str(batch_bucket(batch)))
 
 
 def calibration_key(target, heads, batch: int, datastore=None, temperature: float = 0.0,
@@ -65,15 +77,18 @@ def ngram_key(target, batch: int, temperature: float = 0.0, top_p: float = 1.0) 
 
 def _entry(target, heads, batch: int, datastore=None, temperature: float = 0.0, top_p: float = 1.0):
     """The cached sizing report for these heads (and datastore) here, or None (`_decided`)."""
-    return _decided(calibration_key(target, heads, batch, datastore, temperature, top_p))
+    return _decided(calibration_key(target, heads, batch, datastore, temperature, top_p), batch)
 
 
-def _decided(key: str):
-    """The cached sizing report under `key`, or None. Its choice is re-decided from its stored
-    measurements (`choose`), so entries written before the current rules follow them too."""
+def _decided(key: str, batch: int):
+    """The cached sizing report under `key` (sized at `batch`'s bucket), or None. Its choice is
+    re-decided from its stored measurements (`choose` at that batch size, which the report then
+    holds), so entries written before the current rules follow them too."""
     entry = _cache().get(key)
+    if entry is not None:
+        entry["batch"] = batch_bucket(batch)
     if entry is not None and entry.get("measured"):
-        entry["tree"] = choose(entry["measured"])["tree"]
+        entry["tree"] = choose(entry["measured"], entry["batch"])["tree"]
     return entry
 
 
@@ -91,7 +106,7 @@ def cached_choice(target, heads, batch: int = 1, datastore=None, temperature: fl
     """`choice_of` the cached sizing for these heads ("ngram": the n-gram chain's) here, read
     from the cache once; None if never sized."""
     if heads == "ngram":
-        entry = _decided(ngram_key(target, batch, temperature, top_p))
+        entry = _decided(ngram_key(target, batch, temperature, top_p), batch)
         return choice_of(entry if entry and entry.get("measured") else None)
     return choice_of(_entry(target, heads, batch, datastore, temperature, top_p))
 

@@ -9,9 +9,10 @@ import jax
 import numpy as np
 
 from spec_jax.sizing.cache import (
-    _cache,
+    _decided,
     _entry,
     _store,
+    batch_bucket,
     cache_file,
     cached_choice,
     calibration_key,
@@ -91,8 +92,9 @@ def resolve(target, draft, spec, batch: int = 1, datastore=None, temperature: fl
     `draft` (heads, "mtp": the target's own heads, or "ngram" without a datastore) here: (the
     chosen TreeSpec, the (break-even, prior) of the plain-step fallback the sizing chose with
     it, or None), or None where nothing was sized (then the method's own tree). The choice is
-    the one cached for this sampling setting; without one, `default` takes the greedy sizing's
-    and `auto` sizes now (`sized_choice`)."""
+    the one cached for this sampling setting and the bucket of `batch` (`batch_bucket`: a call's
+    rows, sized per bucket as a bigger batch makes verification costlier); without one, `default`
+    takes the greedy sizing's and `auto` sizes now (`sized_choice`)."""
     from spec_jax.drafting import own_heads
     from spec_jax.tree_spec import Auto, parse
 
@@ -126,9 +128,10 @@ def size_tree(target, heads, prompts=None, batch: int = 1,
     with grafts (anything `generate(tree=...)` takes); report holds the profile size, the costs,
     the predicted curve and the end-to-end measurements the choice was made from. With a
     `datastore`, datastore chains of DS_DEPTHS tokens are weighed too (and the choice says how
-    many, 0 included)."""
+    many, 0 included). A batch is sized at its bucket (`batch_bucket`: 3 rows as 4)."""
     from spec_jax.tree import StaticTree, dynamic_capacity
 
+    batch = batch_bucket(batch)
     key = calibration_key(target, heads, batch, datastore, temperature, top_p)
     entry = _entry(target, heads, batch, datastore, temperature, top_p) if use_cache else None
     if entry is not None:
@@ -225,7 +228,7 @@ def size_tree(target, heads, prompts=None, batch: int = 1,
                     and c["predicted_tokens_per_second"] > plain_pred):
                 dyn = {"top_k": c["top_k"], "depth": c["depth"], "total_tokens": size}
                 measured.append(measure(_choice(dyn, c, datastore)))
-    return _decide(key, measured, measure, say, t_start, "", temperature=temperature,
+    return _decide(key, measured, measure, say, t_start, "", batch=batch, temperature=temperature,
                    top_p=top_p, profile_positions=int(sum(len(r) for r in ranks)),
                    verify_seconds={str(k): v for k, v in verify.items()},
                    draft_seconds={str(k): v for k, v in draft.items()},
@@ -243,13 +246,15 @@ def size_ngram(target, prompts=None, batch: int = 1, max_new_tokens: int = CALIB
     speed. The best prediction (and its near-ties of higher tau or smaller size, `contenders`)
     runs end to end beside plain decoding, twice, and `pick_winner` decides. Why it is needed: a 6-token chain
     ran 1.49x plain where the target streamed float32 weights and 0.95x where it streamed 1-byte
-    codes (verify at 7 tokens 1.1x one token there, 2x here). Returns (tree, report)."""
+    codes (verify at 7 tokens 1.1x one token there, 2x here). A batch is sized at its bucket
+    (`batch_bucket`). Returns (tree, report)."""
     from spec_jax.tree import StaticTree
 
+    batch = batch_bucket(batch)
     key = ngram_key(target, batch, temperature, top_p)
-    entry = _cache().get(key) if use_cache else None
+    entry = _decided(key, batch) if use_cache else None
     if entry is not None and entry.get("measured"):
-        return choose(entry["measured"])["tree"], entry
+        return entry["tree"], entry
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if progress else (lambda *a: None)
     t_start = time.perf_counter()
     texts = [getattr(p, "text", p) for p in (prompts or DEFAULT_PROMPTS)]
@@ -273,7 +278,7 @@ def size_ngram(target, prompts=None, batch: int = 1, max_new_tokens: int = CALIB
                       "paths": [list(p) for p in StaticTree.chain(g).paths]})
     for c in contenders(curve):
         measured.append(measure(c["paths"]))
-    return _decide(key, measured, measure, say, t_start, " for n-gram drafting",
+    return _decide(key, measured, measure, say, t_start, " for n-gram drafting", batch=batch,
                    temperature=temperature, top_p=top_p,
                    profile_positions=int(sum(len(r) for r in roots)),
                    verify_seconds={str(k): v for k, v in verify.items()},
@@ -311,7 +316,7 @@ def _decide(key: str, measured: list[dict], measure, say, t_start: float, what: 
         run.pop("outputs", None)
         measured.append({**run, "fallback": list(point)})
     _second_round(measured, measure, say)
-    winner = choose(measured)
+    winner = choose(measured, report.get("batch", 1))
     report = {"tree": winner["tree"], "fallback": winner.get("fallback"), **report,
               "measured": measured, "seconds": time.perf_counter() - t_start}
     _store(key, report)

@@ -10,11 +10,12 @@ from spec_jax.tree_spec import uses_datastore
 
 def choice_of(report: dict | None) -> tuple | None:
     """(tree, fallback) of a sizing report: its chosen tree and the (break-even, prior) of the
-    plain-step fallback it runs with (`chosen_fallback`), or None; None for no report."""
+    plain-step fallback it runs with (`chosen_fallback`, at the report's batch size), or None;
+    None for no report."""
     if report is None:
         return None
     measured = report.get("measured")
-    return report["tree"], chosen_fallback(measured) if measured else None
+    return report["tree"], chosen_fallback(measured, report.get("batch", 1)) if measured else None
 
 
 def sized_choice(tree, temperature: float, top_p: float, cached, size):
@@ -75,7 +76,7 @@ FALLBACK_ACTED = 0.05  # the least share of plain steps at which a fallback chan
 FALLBACK_TIE_SHARE = 0.75
 
 
-def choose(measured: list[dict]) -> dict:
+def choose(measured: list[dict], batch: int = 1) -> dict:
     """The sizing's choice from its end-to-end measurements: `pick_winner` among the runs without
     the fallback, unless the best candidate's run with it (the entry with "fallback": [break-even,
     prior]) measured at least as fast as plain decoding that won, or as fast as the speculative
@@ -86,7 +87,16 @@ def choose(measured: list[dict]) -> dict:
     weights: 1.2-1.35 plain steps) the break-even, measured end to end on a noisy host, came out
     at 1.55 against the 1.17 the bench then implied, and the fallback's plain steps cost 8% on
     MT-bench (run 51). A fallback that took under FALLBACK_ACTED plain steps on the calibration
-    prompts is not kept: it changed nothing but cost its bookkeeping."""
+    prompts is not kept: it changed nothing but cost its bookkeeping.
+
+    At a batch of several rows (`batch` > 1) speculation, with the fallback or without, must beat
+    plain decoding by more than the host's noise (`_batch_choice`)."""
+    pick = _one_row_choice(measured)
+    return _batch_choice(measured, pick) if batch > 1 else pick
+
+
+def _one_row_choice(measured: list[dict]) -> dict:
+    """`choose`'s rules for one row (see there)."""
     runs = [m for m in measured if not m.get("fallback")]
     winner = pick_winner(runs)
     fb = [m for m in measured if m.get("fallback")]
@@ -102,13 +112,34 @@ def choose(measured: list[dict]) -> dict:
     return fb if ok else winner
 
 
-def chosen_fallback(measured: list[dict]) -> tuple[float, float] | None:
-    """(break-even, prior) of the fallback the sizing's choice runs with, None for none: the
-    fallback run's if `choose` took it; for measurements without such a run (sizings from before
-    it was measured), `break_even` of the chosen tree, as they were used then."""
+def _batch_choice(measured: list[dict], pick: dict) -> dict:
+    """`pick` (the one-row rules' choice) at a batch of several rows, unless it is speculative and
+    does not beat plain decoding by more than the host's noise (`_margin`): then plain decoding.
+
+    The one-row rules lean to speculation on a tie (tau is measured exactly; fewer target passes
+    are the better bet on a loaded machine), and to the fallback on a tie with plain decoding.
+    Neither holds for a batch: the loop takes a tree step whenever any row wants one, so the
+    fallback's plain steps come only where every row wants them at once, and a batched tree step
+    verifies rows x tree tokens, where compute, not the weights' streaming, sets its cost. The
+    calibration prompts overstate the fallback too: at 16 rows they are 8 prompts twice, whose
+    twin rows want plain steps together. SmolLM2 on 2 CPU cores (MT-bench, 64 new tokens): tied
+    choices ran 0.81-0.90x plain at batch 16 (n-gram chain with the fallback) and 0.86x at batch 4
+    (EAGLE switch with the fallback)."""
+    plain = [m for m in measured if m["tree"] == PLAIN]
+    if (pick["tree"] == PLAIN or not plain
+            or pick["tokens_per_second"] > plain[0]["tokens_per_second"] * (1 + _margin(measured))):
+        return pick
+    return plain[0]
+
+
+def chosen_fallback(measured: list[dict], batch: int = 1) -> tuple[float, float] | None:
+    """(break-even, prior) of the fallback the sizing's choice (`choose` at `batch` rows) runs
+    with, None for none: the fallback run's if `choose` took it; for measurements without such a
+    run (sizings from before it was measured), `break_even` of the chosen tree, as they were used
+    then."""
+    chosen = choose(measured, batch)
     if not any(m.get("fallback") for m in measured):
-        return break_even(measured)
-    chosen = choose(measured)
+        return break_even(measured) if chosen["tree"] != PLAIN else None
     return tuple(chosen["fallback"]) if chosen.get("fallback") else None
 
 
