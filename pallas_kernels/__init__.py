@@ -7,8 +7,12 @@
   "pallas"           the Pallas kernel compiled for the current backend (TPU Mosaic / GPU),
   "auto"             "cpu" on CPU, "xla" elsewhere (the default).
 
-Layout: `reference` (pure JAX, the oracle), `dispatch` (the choice), `tpu` / `gpu` (the Pallas
-kernels), `cpu/` (the C++ FFI kernels and their builder: tree attention, packed matmul, argmax).
+On a device mesh a kernel runs per device under `jax.shard_map` (`sharded`: rows over "data",
+heads over "model" where they divide); "xla" is left to XLA's partitioner.
+
+Layout: `reference` (pure JAX, the oracle), `dispatch` (the choice), `sharded` (kernels on a
+mesh), `tpu` / `gpu` (the Pallas kernels), `cpu/` (the C++ FFI kernels and their builder: tree
+attention, packed matmul, argmax).
 """
 from pallas_kernels.dispatch import tree_attention
 from pallas_kernels.reference import tree_attention_reference

@@ -1,12 +1,16 @@
 """Pick the attention implementation (the choice is static: a Python string) and run it.
 
 `tree_attention_pallas` joins a Pallas cache kernel (`tpu`: Mosaic, also the interpret path;
-`gpu`: Triton) with the dense attention over the step's own block (`reference`).
+`gpu`: Triton) with the dense attention over the step's own block (`reference`). On a mesh a
+kernel runs per shard (`sharded`): XLA cannot partition a custom call.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 
+from pallas_kernels import sharded
 from pallas_kernels.reference import block_attention, merge, tree_attention_xla
 
 IMPLS = ("auto", "xla", "cpu", "pallas", "pallas_interpret")
@@ -33,20 +37,37 @@ def default_impl() -> str:
 
 
 def tree_attention(q, k_cache, v_cache, slot_valid, length, k_new, v_new, tree_mask, *,
-                   scale=None, impl: str = "xla", block_size: int | None = None):
-    """Attention of T block queries over the committed cache and the block itself. [B, T, H, D]."""
+                   scale=None, impl: str = "xla", block_size: int | None = None, mesh=None):
+    """Attention of T block queries over the committed cache and the block itself. [B, T, H, D].
+
+    On a mesh (`mesh`, else the ambient one or the operands', see `sharded.mesh_of`) a kernel runs
+    per shard under `jax.shard_map` (rows over "data", heads over "model" where they divide);
+    XLA's attention is left to XLA's partitioner."""
     impl = resolve_impl(impl)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
     if impl == "cpu":
         from pallas_kernels.cpu import attention
 
-        if attention.supported(q, k_cache, k_new):
-            scale = q.shape[-1] ** -0.5 if scale is None else scale
-            return attention.tree_attention_cpu(q, k_cache, v_cache, slot_valid, length, k_new,
-                                                v_new, tree_mask, scale).astype(q.dtype)
-        impl = "xla"
+        if not attention.supported(q, k_cache, k_new):  # per shard too: the group size holds
+            impl = "xla"
     if impl == "xla":
         return tree_attention_xla(q, k_cache, v_cache, slot_valid, length, k_new, v_new, tree_mask,
                                   scale=scale)
+    run = functools.partial(_kernel_attention, impl=impl, scale=scale, block_size=block_size)
+    args = (q, k_cache, v_cache, slot_valid, length, k_new, v_new, tree_mask)
+    mesh = mesh if mesh is not None else sharded.mesh_of(*args)
+    return run(*args) if mesh is None or mesh.size == 1 else sharded.per_shard(run, mesh, *args)
+
+
+def _kernel_attention(q, k_cache, v_cache, slot_valid, length, k_new, v_new, tree_mask, *, impl,
+                      scale, block_size):
+    """`tree_attention` by a kernel ("cpu", "pallas", "pallas_interpret") on one device's
+    operands."""
+    if impl == "cpu":
+        from pallas_kernels.cpu import attention
+
+        return attention.tree_attention_cpu(q, k_cache, v_cache, slot_valid, length, k_new, v_new,
+                                            tree_mask, scale).astype(q.dtype)
     return tree_attention_pallas(q, k_cache, v_cache, slot_valid, length, k_new, v_new, tree_mask,
                                  scale=scale, interpret=(impl == "pallas_interpret"),
                                  block_size=block_size)

@@ -7,7 +7,8 @@ DMA is issued for them. Each program handles all KV heads of its block: a (KVH, 
 the heads-major cache [B, KVH, S, D] (the last two tile dims are a multiple of 8 and the full head
 dim), and each query-head group is a [T*G, D] slab, so K/V are never repeated in memory (GQA).
 Returns the un-normalised partial (output, log-sum-exp) that `reference.merge` combines with the
-block attention.
+block attention. The call declares its cost (every slot read, as a bound: the live length is only
+known when it runs), so that XLA's cost analysis of a program counts the kernel's work.
 """
 from __future__ import annotations
 
@@ -64,6 +65,16 @@ def _tpu_kernel(len_ref, q_ref, k_ref, v_ref, valid_ref, o_ref, lse_ref, m_sc, l
             lse_ref[0, j] = jnp.where(l > 0, m_sc[j] + jnp.log(jnp.maximum(l, 1e-30)), NEG)
 
 
+def _cost(qg, k_cache, valid) -> pl.CostEstimate:
+    """Two [R, D] x [D, S] products per (row, KV head), an exp per score; K and V read once."""
+    b, kvh, r, d = qg.shape
+    s = k_cache.shape[2]
+    item = lambda x: x.size * x.dtype.itemsize  # noqa: E731
+    out = b * kvh * r * (d + LANES) * 4
+    return pl.CostEstimate(flops=4 * b * kvh * r * s * d, transcendentals=b * kvh * r * s,
+                           bytes_accessed=item(qg) + 2 * item(k_cache) + item(valid) + out)
+
+
 def cache_attention_tpu(q, k_cache, v_cache, slot_valid, length, scale, *, block=256,
                         interpret=False):
     """Partial attention over the cache with the Mosaic (TPU) kernel. Returns (o, lse) f32."""
@@ -103,6 +114,7 @@ def cache_attention_tpu(q, k_cache, v_cache, slot_valid, length, scale, *, block
     o, lse = pl.pallas_call(
         kernel,
         grid_spec=grid_spec,
+        cost_estimate=_cost(qg, k_cache, valid),
         out_shape=[jax.ShapeDtypeStruct((b, kvh, r_pad, d), jnp.float32),
                    jax.ShapeDtypeStruct((b, kvh, r_pad, LANES), jnp.float32)],
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),

@@ -3,12 +3,22 @@ Llama-shaped checkpoint: random bfloat16 weights written shard by shard with saf
 API (model-0000K-of-0000N.safetensors + model.safetensors.index.json), as published checkpoints
 are. Each step runs in its own process under `/usr/bin/time -v` ("Maximum resident set size").
 
-    python scripts/convert_memory.py WORKDIR [--gb 2.2] [--dtype bfloat16] [--keep]
+    python scripts/convert_memory.py WORKDIR [--gb 2.2] [--dtype bfloat16] [--keep] [--reuse]
+        [--mesh model=8 --mesh data=2,model=4] [--load-dtype float32] [--hosts 2]
 
-WORKDIR/hf and WORKDIR/ck are removed at the end unless --keep.
+Loads: on one device (layers='scan'), then with `mesh=` for each --mesh over 8 virtual CPU
+devices (XLA_FLAGS=--xla_force_host_platform_device_count=8). On CPU every device's shard lives
+in the same host memory, so a mesh load holds the model once (its shards) plus replicated
+tensors once per device: the figure to compare is the peak above the model's own bytes (what a
+full host copy would add). Each load also reports the bytes its devices hold (`held`, summed
+over devices) and the largest share one device holds. With --hosts N the mesh loads run as N
+processes of 8/N devices joined by jax.distributed, as the hosts of a TPU slice: each process
+reports its own peak and the shards it holds. WORKDIR/hf and WORKDIR/ck are removed at
+the end unless --keep; --reuse skips writing and converting where WORKDIR/ck exists.
 """
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -79,15 +89,62 @@ def make(hf: Path, gb: float, shard_bytes: int = 500 << 20) -> dict:
             "largest": (largest, shapes[largest], 2 * int(np.prod(shapes[largest])))}
 
 
-def peak(code: str) -> tuple[float, float]:
-    """(peak RSS in MB, seconds) of `python -c code` under /usr/bin/time -v."""
+def peak(code: str, devices: int = 1) -> tuple[float, float, str]:
+    """(peak RSS in MB, seconds, last stdout line) of `python -c code` under /usr/bin/time -v,
+    with `devices` virtual CPU devices."""
+    return peaks(code, devices)[0]
+
+
+def peaks(code: str, devices: int = 1, hosts: int = 1) -> list[tuple[float, float, str]]:
+    """`peak` of each of `hosts` processes running `code` at once, joined by jax.distributed
+    (a coordinator on this machine, `spec_jax.distributed`) where there are several: the
+    processes of a multi-host run, on one machine."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    for k in ("TPU_WORKER_HOSTNAMES", "SPEC_JAX_DISTRIBUTED"):
+        env.pop(k, None)
+    if devices > 1:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                            f" --xla_force_host_platform_device_count={devices}").strip()
+    if hosts > 1:
+        import socket
+
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            env.update(JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{sock.getsockname()[1]}",
+                       SPEC_JAX_NUM_PROCESSES=str(hosts))
     t = time.time()
-    r = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-c", code], capture_output=True,
-                       text=True)
-    if r.returncode:
-        sys.exit(r.stderr[-3000:])
-    kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr).group(1))
-    return kb / 1024, time.time() - t
+    procs = [subprocess.Popen(["/usr/bin/time", "-v", sys.executable, "-c", code],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=dict(env, SPEC_JAX_PROCESS_ID=str(i)))
+             for i in range(hosts)]
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate()
+        if p.returncode:
+            sys.exit(stderr[-3000:])
+        kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", stderr).group(1))
+        lines = stdout.strip().splitlines()
+        out.append((kb / 1024, time.time() - t, lines[-1] if lines else ""))
+    return out
+
+
+# what a load holds: bytes summed over devices, and the most one device holds
+HELD = ("import json, collections, jax; c = collections.Counter(); "
+        "[c.update({s.device: s.data.nbytes}) for a in jax.tree.leaves(t.params) "
+        "for s in a.addressable_shards]; "
+        "print(json.dumps({'held': sum(c.values()), 'per_device': max(c.values())}))")
+
+
+def mesh_code(ck: Path, mesh: str, dtype: str | None, hosts: int = 1) -> str:
+    """A load of `ck` on a ("data", "model") mesh written as data=D,model=M (8 devices; over
+    `hosts` processes: `spec_jax.distributed.global_mesh`)."""
+    axes = dict(kv.split("=") for kv in mesh.split(","))
+    d, m = int(axes.get("data", 1)), int(axes.get("model", 1))
+    make = (f"from spec_jax import distributed; mesh = distributed.global_mesh({d}, {m}); "
+            if hosts > 1 else "from jax.sharding import Mesh; "
+            f"mesh = Mesh(np.array(jax.devices()[:{d * m}]).reshape({d}, {m}), ('data', 'model')); ")
+    return ("import jax, numpy as np, spec_jax; " + make +
+            f"t = spec_jax.load_target({str(ck)!r}, dtype={dtype!r}, mesh=mesh); " + HELD)
 
 
 def main():
@@ -96,25 +153,53 @@ def main():
     ap.add_argument("--gb", type=float, default=2.2, help="size of the checkpoint's files")
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--keep", action="store_true")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep WORKDIR/ck where it exists: measure the loads only")
+    ap.add_argument("--mesh", action="append", default=None,
+                    help="data=D,model=M over 8 virtual CPU devices (repeatable; default: "
+                         "model=8 and data=2,model=4)")
+    ap.add_argument("--load-dtype", default=None, help="load_target's dtype= on the meshes")
+    ap.add_argument("--hosts", type=int, default=1,
+                    help="load on the meshes as this many processes of 8/HOSTS devices each, "
+                         "joined by jax.distributed (a multi-host run on one machine): each "
+                         "reports what it holds")
     a = ap.parse_args()
     hf, ck = a.workdir / "hf", a.workdir / "ck"
     try:
-        t = time.time()
-        info = make(hf, a.gb)
-        print(f"checkpoint: {info['bytes'] / 1e9:.2f} GB in {info['shards']} shards, "
-              f"{info['layers']} layers, largest tensor {info['largest'][0]} "
-              f"{info['largest'][1]} = {info['largest'][2] / 1e6:.0f} MB "
-              f"({time.time() - t:.0f} s to write)", flush=True)
-        base, _ = peak("import jax, orbax.checkpoint, tensorstore, spec_jax.convert.hf; "
-                       "jax.numpy.zeros(1).block_until_ready()")
+        if not (a.reuse and (ck / "spec_jax.json").is_file()):
+            t = time.time()
+            info = make(hf, a.gb)
+            print(f"checkpoint: {info['bytes'] / 1e9:.2f} GB in {info['shards']} shards, "
+                  f"{info['layers']} layers, largest tensor {info['largest'][0]} "
+                  f"{info['largest'][1]} = {info['largest'][2] / 1e6:.0f} MB "
+                  f"({time.time() - t:.0f} s to write)", flush=True)
+            rss, s, _ = peak(f"from spec_jax.cli import main; main(['convert', '--hf', "
+                             f"{str(hf)!r}, '--out', {str(ck)!r}, '--dtype', {a.dtype!r}])")
+            out = sum(f.stat().st_size for f in ck.rglob("*") if f.is_file())
+            print(f"convert --dtype {a.dtype}: peak RSS {rss:.0f} MB ({s:.0f} s), output "
+                  f"{out / 1e9:.2f} GB", flush=True)
+        base, _, _ = peak("import jax, orbax.checkpoint, tensorstore, spec_jax.convert.hf; "
+                          "jax.numpy.zeros(1).block_until_ready()")
         print(f"baseline (imports only): {base:.0f} MB", flush=True)
-        rss, s = peak(f"from spec_jax.cli import main; main(['convert', '--hf', {str(hf)!r}, "
-                      f"'--out', {str(ck)!r}, '--dtype', {a.dtype!r}])")
-        out = sum(f.stat().st_size for f in ck.rglob("*") if f.is_file())
-        print(f"convert --dtype {a.dtype}: peak RSS {rss:.0f} MB ({s:.0f} s), output "
-              f"{out / 1e9:.2f} GB", flush=True)
-        rss, s = peak(f"import spec_jax; spec_jax.load_target({str(ck)!r}, layers='scan')")
-        print(f"load_target(layers='scan'): peak RSS {rss:.0f} MB ({s:.0f} s)", flush=True)
+        rss, s, held = peak(f"import spec_jax; t = spec_jax.load_target({str(ck)!r}, "
+                            "layers='scan'); " + HELD)
+        held = json.loads(held)
+        print(f"load_target(layers='scan'): peak RSS {rss:.0f} MB ({s:.0f} s), holds "
+              f"{held['held'] / 2**20:.0f} MB: {rss - base - held['held'] / 2**20:.0f} MB above "
+              "baseline + what it holds", flush=True)
+        base8, _, _ = peak("import jax, orbax.checkpoint, spec_jax; "
+                           "jax.numpy.zeros(1).block_until_ready()", devices=8)
+        print(f"baseline with 8 devices: {base8:.0f} MB", flush=True)
+        for mesh in a.mesh or ["model=8", "data=2,model=4"]:
+            runs = peaks(mesh_code(ck, mesh, a.load_dtype, a.hosts), 8 // a.hosts, a.hosts)
+            for i, (rss, s, held) in enumerate(runs):
+                held = json.loads(held)
+                who = f", process {i} of {a.hosts}" if a.hosts > 1 else ""
+                print(f"load_target(mesh {mesh}{', dtype=' + a.load_dtype if a.load_dtype else ''}"
+                      f"{who}): peak RSS {rss:.0f} MB ({s:.0f} s); its devices hold "
+                      f"{held['held'] / 2**20:.0f} MB ({held['per_device'] / 2**20:.0f} MB the most"
+                      f" on one): {rss - base8 - held['held'] / 2**20:.0f} MB above baseline + "
+                      "what the devices hold", flush=True)
     finally:
         if not a.keep:
             shutil.rmtree(hf, ignore_errors=True)

@@ -16,12 +16,7 @@ from pathlib import Path
 from spec_jax.errors import SpecJaxError
 
 DEFAULT_MODEL = Path("checkpoints") / "smollm2-135m-instruct"
-DEFAULT_DRAFT = Path("checkpoints") / "smollm2-135m-instruct-eagle"
-DEMO_PROMPTS = [
-    "What is the capital of France? Answer in one sentence.",
-    "Write a Python function that returns the n-th Fibonacci number.",
-    "Give three tips for staying focused while studying.",
-]
+DEFAULT_DRAFTS = [Path("checkpoints") / f"smollm2-135m-instruct-{m}" for m in ("eagle", "eagle3")]
 
 
 def _draft_arg(target, draft: str | None):
@@ -91,7 +86,14 @@ def cmd_generate(a):
         raise SpecJaxError(f"--stream prints the text as it comes: drop {other} (it prints the "
                            "text at the end)")
     prompt = _argv_text(a.prompt, "--prompt")
-    target = spec_jax.load_target(a.model)
+    mesh = None
+    if a.mesh:  # over every host's devices where the hosts joined (`main`, before JAX started)
+        from spec_jax.distributed import global_mesh, is_primary, parse_mesh
+
+        mesh = global_mesh(*parse_mesh(a.mesh))
+        if not is_primary():  # every host runs the same generation: the first prints it
+            sys.stdout = open(os.devnull, "w")
+    target = spec_jax.load_target(a.model, mesh=mesh)
     draft = _draft_arg(target, a.draft)
     ds = spec_jax.load_datastore(a.datastore) if a.datastore else None
     options = dict(max_new_tokens=a.max_new_tokens, temperature=a.temperature, top_p=a.top_p,
@@ -138,6 +140,7 @@ def _coloured_steps(r, colour: bool = True) -> str:
 
 def cmd_demo(a):
     import spec_jax
+    from spec_jax import demo
     from spec_jax.convert.fetch import fetch
 
     model = Path(a.model)
@@ -145,29 +148,7 @@ def cmd_demo(a):
         print(f"fetching SmolLM2-135M-Instruct into {model} ...", flush=True)
         fetch("smollm2-135m-instruct", model, force=model.exists())
     target = spec_jax.load_target(model)
-    from spec_jax.sizing import choice_name, choice_of, size_ngram, size_tree
-
-    _, report = size_ngram(target)  # measured on first use, then cached; may be plain
-    drafts = [("plain", None), (f"n-gram ({choice_name(*choice_of(report))})", "ngram")]
-    if Path(a.draft).is_dir():
-        heads = spec_jax.load_draft(a.draft)
-        _, report = size_tree(target, heads)  # measured on first use, then cached
-        drafts.append((f"{heads.method} ({choice_name(*choice_of(report))})", heads))
-    else:
-        print(f"(no trained heads at {a.draft}; showing plain and n-gram decoding)")
-    for prompt in DEMO_PROMPTS:
-        print(f"\n### {prompt}")
-        for name, draft in drafts:
-            # tree="auto": heads and n-gram get the tree sized for this machine (measured above)
-            spec_jax.generate(target, prompt, max_new_tokens=8, draft=draft, tree="auto")  # compile
-            r = spec_jax.generate(target, prompt, max_new_tokens=a.max_new_tokens, draft=draft,
-                                  tree="auto")
-            s = r.stats
-            if name == "plain":
-                print(r.text.strip())
-            plain = f", {s['plain_steps']} plain steps" if s.get("plain_steps") else ""
-            print(f"  {name:<28} {s['tokens_per_second']:6.1f} tok/s  "
-                  f"{s['mean_accepted']:.2f} tokens/call  ({s['new_tokens']} tokens{plain})")
+    demo.run(target, [Path(d) for d in (a.draft or DEFAULT_DRAFTS)], a.max_new_tokens)
 
 
 def cmd_distill(a):
@@ -310,6 +291,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seed", type=int, default=0)
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--attn-impl", default="auto", choices=["auto", "xla", "cpu", "pallas", "pallas_interpret"])
+    g.add_argument("--mesh", default=None,
+                   help="decode on a mesh of devices: data=D,model=M (either may be left out) or "
+                        "auto (model over each host's devices, data over the hosts); run on every "
+                        "host of a TPU slice with SPEC_JAX_DISTRIBUTED=1 (docs/sharding.md)")
     g.add_argument("--no-fallback", action="store_true",
                    help="with a sized tree, speculate every step (by default, where the sizing "
                         "measured that it pays, a request takes plain steps while its trees accept "
@@ -321,9 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "[brackets] when the output is not a terminal)")
     g.set_defaults(fn=cmd_generate)
 
-    d = sub.add_parser("demo", help="fetch SmolLM2 if needed, then decode sample prompts")
+    d = sub.add_parser("demo", help="fetch SmolLM2 if needed, then show where speculation pays: "
+                                    "plain, n-gram and trained heads on chat, code and rewriting")
     d.add_argument("--model", default=str(DEFAULT_MODEL))
-    d.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    d.add_argument("--draft", action="append",
+                   help="a head folder (repeatable; default: the shipped EAGLE and EAGLE-3 heads)")
     d.add_argument("--max-new-tokens", type=int, default=96)
     d.set_defaults(fn=cmd_demo)
 
@@ -447,12 +434,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="assisted generation's assistant: the target's first N layers, an "
                         "untrained early exit (no smaller model with its tokenizer is at hand); "
                         "0 leaves that peer out (default 4)")
+    b.add_argument("--batch-sizes", default=None, metavar="B,B,...",
+                   help="instead of the per-prompt table: total new tokens/s of plain decoding and "
+                        "each drafter over the same prompts decoded B at a time, per batch size "
+                        "(e.g. 1,4,16); drafters without @TREE run tree 'auto', sized per batch "
+                        "size on first use (minutes each), then cached; no transformers peers")
     b.set_defaults(fn=cmd_bench)
     return p
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    if args.cmd == "generate" and args.mesh:  # the hosts join before anything starts JAX
+        from spec_jax.distributed import initialize
+
+        try:
+            initialize()
+        except SpecJaxError as e:
+            if args.debug:
+                raise
+            print(f"spec-jax: error: {' '.join(str(e).split())}", file=sys.stderr)
+            return 2
     if argv is None and args.cmd not in ("fetch", "convert", "import-heads", "export-heads"):
         # a real command line: compiled programs go to disk for the next run (tests pass argv
         # and keep their process's JAX settings as they are)

@@ -189,9 +189,11 @@ def _compiled(target: Target, key: tuple, precision: str, lower):
 
 
 def mesh_attn(target: Target, attn_impl: str) -> str:
-    """The attention a target on a mesh runs: XLA's for "auto" (the CPU kernel is one device's
-    FFI call; XLA partitions its own attention by KV head)."""
-    return "xla" if target.mesh is not None and attn_impl == "auto" else attn_impl
+    """The attention a target on a mesh runs: the same as on one device, "auto" included (the
+    platform's choice, `pallas_kernels.dispatch.resolve_impl`). A kernel ("cpu", "pallas",
+    "pallas_interpret") runs per device under `jax.shard_map` on its rows and heads
+    (`pallas_kernels.sharded`), with no communication; "xla" is partitioned by XLA."""
+    return attn_impl
 
 
 def check_settings(b: int, max_new_tokens, temperature, top_p):

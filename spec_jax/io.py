@@ -135,19 +135,30 @@ def read_meta(path: Path, kind: str, missing_hint: str) -> dict:
 def check_finite(params, where) -> None:
     """Refuse parameters holding NaN or infinity, naming the first bad array's path: one
     all-finite reduction per floating array, with NumPy where it lives on the CPU (no compile:
-    0.08-0.2 s for SmolLM2's 135M weights), else on its device (one transfer of the flags)."""
+    0.08-0.2 s for SmolLM2's 135M weights; an array split over CPU devices shard by shard, never
+    gathered), else on its devices (one transfer of the flags; on a mesh spanning processes the
+    one answer every process gets, so that all of them refuse or none)."""
     leaves = jax.tree_util.tree_leaves_with_path(params)
     named = [(jax.tree_util.keystr(k, simple=True, separator="/"), a) for k, a in leaves
              if hasattr(a, "dtype") and jnp.issubdtype(a.dtype, jnp.floating)]
-    on_cpu = lambda a: not isinstance(a, jax.Array) or all(  # noqa: E731
-        d.platform == "cpu" for d in a.devices())
-    flags = [_finite_in_blocks(np.asarray(a)) if on_cpu(a) else _all_finite(a)
-             for _, a in named]
+    flags = [_finite(a) for _, a in named]
     bad = [n for (n, _), ok in zip(named, map(bool, flags)) if not ok]
     if bad:
         more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
         raise SpecJaxError(f"non-finite weights (NaN or inf) in tensor {bad[0]!r}{more} of {where}: "
                            "the checkpoint is corrupt or was trained into divergence; re-create it")
+
+
+def _finite(a) -> bool:
+    """Whether `a` (a NumPy array or a jax.Array) is all finite (see `check_finite`)."""
+    if not isinstance(a, jax.Array):
+        return _finite_in_blocks(np.asarray(a))
+    if any(d.platform != "cpu" for d in a.devices()) or not a.is_fully_addressable:
+        return bool(_all_finite(a))
+    if len(a.devices()) == 1:
+        return _finite_in_blocks(np.asarray(a))
+    return all(_finite_in_blocks(np.asarray(s.data)) for s in a.addressable_shards
+               if s.replica_id == 0)  # each element once, however many devices hold it
 
 
 def _finite_in_blocks(a: np.ndarray, block_bytes: int = 16 << 20) -> bool:
@@ -174,22 +185,52 @@ def save_params(path: Path, params, dtype: str | None = None) -> None:
         ckptr.save(Path(path).absolute(), params)
 
 
-def load_params(path: Path, skip=None, kind: str = "target"):
+def load_params(path: Path, skip=None, kind: str = "target", target=None):
     """The parameter tree saved at `path`, without the entries whose "/"-joined paths are in
     `skip` (those are not read from disk). A folder that cannot be read is reported as damaged
-    (one line naming what failed), not with the reader's traceback."""
-    import logging
+    (one line naming what failed), not with the reader's traceback.
 
+    target: `jax.ShapeDtypeStruct`s of the whole tree with shardings (and dtypes) to restore
+    into (`spec_jax.sharding.abstract_params`): each device's shard is read from disk on its own
+    and cast to the target's dtype as it is read, so no host holds a full copy of a tensor, and
+    in a multi-process run each process reads only the shards of its own devices."""
+    path = _params_dir(path, kind)
+    with _reading(path, kind):
+        return _load_params(path, skip, target)
+
+
+def param_shapes(path: Path, kind: str = "target"):
+    """`jax.ShapeDtypeStruct`s (shapes and dtypes, no sharding) of the parameter tree saved at
+    `path`, read from its metadata: no array is read."""
+    import orbax.checkpoint as ocp
+
+    path = _params_dir(path, kind)
+    with _reading(path, kind), ocp.StandardCheckpointer() as ckptr:
+        meta = ckptr.metadata(path)
+        tree = getattr(meta, "item_metadata", meta)
+        return jax.tree.map(lambda m: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype), tree)
+
+
+def _params_dir(path: Path, kind: str) -> Path:
     path = Path(path).absolute()
     if not path.exists():
         if (path.parent / "spec_jax.json").is_file():
             raise damaged(path.parent, "its params/ folder is missing", kind)
         raise SpecJaxError(f"no parameters at {path}: is this a spec_jax checkpoint directory?")
+    return path
+
+
+@contextlib.contextmanager
+def _reading(path: Path, kind: str):
+    """Reads of the Orbax folder `path`: what fails is reported as `damaged` (one line), and
+    Orbax's warnings before such errors (which say the same) are silenced."""
+    import logging
+
     absl = logging.getLogger("absl")
     level = absl.level
-    absl.setLevel(logging.ERROR)  # orbax's warnings before the errors below say the same
+    absl.setLevel(logging.ERROR)
     try:
-        return _load_params(path, skip)
+        yield
     except SpecJaxError:
         raise
     except Exception as e:  # noqa: BLE001 — orbax/tensorstore raise many kinds for one cause
@@ -200,15 +241,17 @@ def load_params(path: Path, skip=None, kind: str = "target"):
         absl.setLevel(level)
 
 
-def _load_params(path: Path, skip=None):
+def _load_params(path: Path, skip=None, target=None):
     import orbax.checkpoint as ocp
 
+    if target is not None:
+        return _restore_sharded(path, target)
     with ocp.StandardCheckpointer() as ckptr:
         meta = ckptr.metadata(path)
         tree = getattr(meta, "item_metadata", meta)
         # on this process's first device: a checkpoint saved on another backend (CPU-trained
         # heads served on a GPU) names devices that are not here
-        here = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        here = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         target = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, m.dtype, sharding=here), tree)
         if not skip:
             restored = ckptr.restore(path, target)
@@ -220,6 +263,37 @@ def _load_params(path: Path, skip=None):
             restored = ckptr.restore(path, args=ocp.args.PyTreeRestore(
                 item=target, restore_args=args, partial_restore=True))
     return jax.tree.map(jnp.asarray, restored)  # device arrays, not host numpy
+
+
+def _restore_sharded(path: Path, target: dict) -> dict:
+    """`target` (nested dicts of ShapeDtypeStructs with shardings) restored from `path`, one
+    tensor at a time: Orbax reads each device's shard where it goes (the shards of one tensor
+    concurrently), through a host buffer of the shard's size that it copies onto the device.
+    Restoring the whole tree in one call reads every tensor at once, so those buffers add up to
+    a second copy of the model (measured: 1.8 GB above a 2.5 GB model on 8 CPU devices); one
+    tensor at a time they add up to at most the largest tensor's shards on this host."""
+    import orbax.checkpoint as ocp
+
+    out: dict = {}
+    with ocp.PyTreeCheckpointer() as ckptr:
+        for keys, leaf in jax.tree_util.tree_leaves_with_path(target):
+            names = [str(getattr(k, "key", k)) for k in keys]
+            item = _nest(names, leaf)
+            args = _nest(names, ocp.ArrayRestoreArgs(sharding=leaf.sharding,
+                                                     global_shape=leaf.shape, dtype=leaf.dtype))
+            got = ckptr.restore(path, args=ocp.args.PyTreeRestore(
+                item=item, restore_args=args, partial_restore=True))
+            node = out
+            for name in names[:-1]:
+                node, got = node.setdefault(name, {}), got[name]
+            node[names[-1]] = got[names[-1]]
+    return out
+
+
+def _nest(names: list[str], value) -> dict:
+    for name in reversed(names):
+        value = {name: value}
+    return value
 
 
 def _without(tree: dict, skip: set, prefix: str = "") -> dict:

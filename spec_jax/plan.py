@@ -5,14 +5,18 @@ With libtpu installed (`pip install "jax[tpu]"`), `jax.experimental.topologies` 
 slice on a CPU-only host, and `jax.jit(f).lower(ShapeDtypeStructs with shardings).compile()`
 runs XLA's TPU pipeline for real: partitioning by `spec_jax.sharding.RULES`, fusion, memory
 assignment. No weights are needed: parameters, heads and caches are `ShapeDtypeStruct`s placed on
-the topology's mesh by the same rules `load_target(..., mesh=)` uses. `compile_plan` returns per
-chip the bytes of arguments (weights, heads, cache) and temporaries from `memory_analysis()`, and
-XLA's cost estimate of each program from `cost_analysis()`. XLA's cost analysis counts a `while`
-body once, not per trip, so the loop's figures are one step's.
+the topology's mesh by the same rules `load_target(..., mesh=)` uses. The attention is the Pallas
+(Mosaic) kernel by default, run per chip under `jax.shard_map` (`pallas_kernels.sharded`), as a
+TPU would run it; `attn_impl="xla"` compiles XLA's attention instead. `compile_plan` returns per
+chip the bytes of arguments (weights, heads, cache) and temporaries from `memory_analysis()`,
+XLA's cost estimate of each program from `cost_analysis()`, and the fusions and custom calls in
+the compiled module. XLA's cost analysis counts a `while` body once, not per trip, so the loop's
+figures are one step's; so do the counts (instructions in the module's text).
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from typing import Any
 
@@ -40,6 +44,9 @@ class Compiled:
     flops: float  # one execution (the loop: one step, see the module docstring)
     bytes_accessed: float
     optimal_seconds: float | None  # XLA's estimate, None where it has none
+    fusions: int = 0  # fusion instructions in the compiled module (a while body's once)
+    custom_calls: int = 0  # custom calls in it (the Mosaic kernels among them)
+    mosaic_calls: int = 0  # custom calls to a Mosaic kernel ("tpu_custom_call")
     hlo: str = dataclasses.field(repr=False, default="")
 
 
@@ -106,25 +113,35 @@ def abstract_heads(cfg: ModelConfig, method: str, tparams, mesh: Mesh, tree=None
     heads = DraftHeads(method=method, params=None, hparams=box["hparams"], target_info={}, tcfg=cfg)
     drafter = heads.drafter(tree)
     bound = jax.eval_shape(lambda p, t: bind_target(p, t, cfg), hshapes, tparams)
-    return drafter.with_attn_impl("xla"), _abstract(bound, param_shardings(bound, cfg, mesh))
+    return drafter, _abstract(bound, param_shardings(bound, cfg, mesh))
+
+
+FUSION = re.compile(r"\sfusion\(")  # an instruction's opcode: `%name = type fusion(operands...`
+CUSTOM_CALL = re.compile(r"\scustom-call\(")
+MOSAIC = 'custom_call_target="tpu_custom_call"'
 
 
 def _report(compiled, seconds) -> Compiled:
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else (cost or {})
+    hlo = compiled.as_text()
     return Compiled(seconds_to_compile=seconds, argument_bytes=int(mem.argument_size_in_bytes),
                     temp_bytes=int(mem.temp_size_in_bytes), flops=float(cost.get("flops", 0.0)),
                     bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-                    optimal_seconds=cost.get("optimal_seconds"), hlo=compiled.as_text())
+                    optimal_seconds=cost.get("optimal_seconds"), fusions=len(FUSION.findall(hlo)),
+                    custom_calls=len(CUSTOM_CALL.findall(hlo)), mosaic_calls=hlo.count(MOSAIC),
+                    hlo=hlo)
 
 
 def compile_plan(cfg: ModelConfig, mesh: Mesh, batch: int = 1, context: int = 8192,
                  drafter: Drafter | None = None, dparams: Any = (), prompt: int = 64,
-                 out_len: int = 128) -> dict[str, Compiled]:
+                 out_len: int = 128, attn_impl: str = "pallas") -> dict[str, Compiled]:
     """Compile the prefill and the loop of `drafter` (None: plain decoding) for a target of `cfg`
-    on `mesh`, a `batch` of rows and a cache of `context` slots; {"prefill": ..., "loop": ...}."""
-    drafter = drafter or Drafter()
+    on `mesh`, a `batch` of rows and a cache of `context` slots, the target's and the drafter's
+    attention by `attn_impl` ("pallas": the Mosaic kernel per chip; "xla"); {"prefill": ...,
+    "loop": ...}."""
+    drafter = (drafter or Drafter()).with_attn_impl(attn_impl)
     tparams = abstract_target(cfg, mesh)
     cache = jax.eval_shape(lambda: cache_for(cfg, batch, context))
     cache = _abstract(cache, cache_shardings(cache, cfg, mesh))
@@ -137,7 +154,7 @@ def compile_plan(cfg: ModelConfig, mesh: Mesh, batch: int = 1, context: int = 81
     args = (tparams, dparams, a((batch, prompt), jnp.int32, row2), a((batch,), jnp.int32, rows),
             cache, a((batch, 2), jnp.uint32, row2), a((batch,), jnp.float32, rows),
             a((batch,), jnp.float32, rows), a((batch,), jnp.int32, rows))
-    settings = LoopSettings(out_len=out_len, greedy=True, eos_ids=(0,), attn_impl="xla")
+    settings = LoopSettings(out_len=out_len, greedy=True, eos_ids=(0,), attn_impl=attn_impl)
     precision = "highest" if cfg.dtype == "float32" else "default"
     out = {}
     with jax.default_matmul_precision(precision):
@@ -172,10 +189,13 @@ def roofline_seconds(weight_bytes: float, cache_bytes: float, flops: float, chip
 
 
 def plan(cfg: ModelConfig, topology: str, data: int = 1, model: int | None = None,
-         batch: int = 1, context: int = 8192, method: str | None = None, tree=None) -> dict:
-    """Compile plain decoding (and `method` heads drafting `tree`) for `topology`, and answer
-    whether it fits each chip's HBM, with what would fit where it does not, and each step's time
-    bound (`roofline_seconds`, labelled as such; XLA's own estimate beside it where it has one)."""
+         batch: int = 1, context: int = 8192, method: str | None = None, tree=None,
+         attn_impl: str = "pallas") -> dict:
+    """Compile plain decoding (and `method` heads drafting `tree`) for `topology` with `attn_impl`
+    attention ("pallas": the Mosaic kernel per chip; "xla"), and answer whether it fits each
+    chip's HBM, with what would fit where it does not, each step's time bound (`roofline_seconds`,
+    labelled as such; XLA's own estimate beside it where it has one) and each compiled program's
+    fusions and custom calls (`hlo_counts`)."""
     chip = chip_of(topology)
     mesh = topology_mesh(topology, data, model)
     m = mesh.shape["model"]
@@ -186,7 +206,7 @@ def plan(cfg: ModelConfig, topology: str, data: int = 1, model: int | None = Non
     cache = (2 * cfg.num_layers * batch * context * cfg.num_kv_heads * cfg.head_dim * itemsize
              / (m if cfg.num_kv_heads % m == 0 else 1) / (data if batch % data == 0 else 1))
     report = {"topology": topology, "mesh": {"data": data, "model": m}, "batch": batch,
-              "context": context, "dtype": cfg.dtype, "hbm_bytes": hbm,
+              "context": context, "dtype": cfg.dtype, "attention": attn_impl, "hbm_bytes": hbm,
               "weight_bytes_per_chip": weights, "cache_bytes_per_chip": cache}
     if weights + cache > 0.9 * hbm:  # no compile needed to say so: what would fit instead
         report.update(compiled=False, fits=False, per_chip_bytes=weights + cache,
@@ -195,10 +215,11 @@ def plan(cfg: ModelConfig, topology: str, data: int = 1, model: int | None = Non
                                            cache, hbm))
         return report
     try:
-        runs = {"plain": compile_plan(cfg, mesh, batch, context)}
+        runs = {"plain": compile_plan(cfg, mesh, batch, context, attn_impl=attn_impl)}
         if method:
             d, dp = abstract_heads(cfg, method, abstract_target(cfg, mesh), mesh, tree)
-            runs["tree"] = compile_plan(cfg, mesh, batch, context, drafter=d, dparams=dp)
+            runs["tree"] = compile_plan(cfg, mesh, batch, context, drafter=d, dparams=dp,
+                                        attn_impl=attn_impl)
     except jax.errors.JaxRuntimeError as e:  # XLA's memory assignment: does not fit after all
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -226,6 +247,9 @@ def plan(cfg: ModelConfig, topology: str, data: int = 1, model: int | None = Non
                                      for k, r in runs.items()}
     report["compile_seconds"] = {k: sum(c.seconds_to_compile for c in r.values())
                                  for k, r in runs.items()}
+    report["hlo_counts"] = {k: {name: {"fusions": c.fusions, "custom_calls": c.custom_calls,
+                                       "mosaic_calls": c.mosaic_calls}
+                                for name, c in r.items()} for k, r in runs.items()}
     if not report["fits"]:
         report["would_fit"] = _what_fits(cfg, topology, data, m, batch, context, weights, cache,
                                          hbm)

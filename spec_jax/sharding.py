@@ -13,9 +13,11 @@ A logical axis maps to the "model" mesh axis only where it divides: heads and KV
 whole (a dimension of N heads splits over M devices only when M divides N; SmolLM2's 9 heads and
 3 KV heads on 2 devices stay replicated), other axes where M divides their size. A tensor that
 does not divide is replicated — never padded, never an error. The KV cache [L, B, KVH, S, D] is
-split by rows over "data" and by KV head over "model" by the same test; stacked leading axes
-(layers, modules) are never split. XLA's SPMD partitioner does the rest: the jitted loop runs on
-the mesh with the collectives it inserts, and nothing in spec_jax communicates by hand.
+split by rows over "data" (in a run of one process: `batch_axis`) and by KV head over "model" by
+the same test; stacked leading axes (layers, modules) are never split. XLA's SPMD partitioner
+does the rest: the jitted loop runs on the mesh with the collectives it inserts, and nothing in
+spec_jax communicates by hand. `abstract_params` gives the target an Orbax restore reads each
+device's shard into (`spec_jax.target.load_target(mesh=)`); docs/sharding.md has the table.
 """
 from __future__ import annotations
 
@@ -85,15 +87,27 @@ def param_shardings(params: Any, cfg, mesh: Mesh) -> Any:
         params)
 
 
+def abstract_params(shapes: Any, cfg, mesh: Mesh, dtype=None) -> Any:
+    """`jax.ShapeDtypeStruct`s of a parameter pytree placed on `mesh` by `RULES` (in `dtype`
+    where given, else each leaf's own): the target an Orbax restore reads each device's shard
+    into (`spec_jax.io.load_params(target=)`), so no host holds a full copy."""
+    shardings = param_shardings(shapes, cfg, mesh)
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype, sharding=s),
+                        shapes, shardings)
+
+
 def shard_params(params: Any, cfg, mesh: Mesh) -> Any:
     """`params` placed on `mesh` by `RULES` (each device receives only its shard)."""
     return jax.device_put(params, param_shardings(params, cfg, mesh))
 
 
 def batch_axis(mesh: Mesh, batch: int) -> str | None:
-    """"data" where the batch splits over it evenly, else None (rows replicated)."""
+    """"data" where the batch splits over it evenly, else None (rows replicated). In a run of
+    several processes (a multi-host slice, `spec_jax.distributed`) rows are replicated: each
+    process reads every row's result back from its own devices, which a row held only on another
+    host's devices would not allow (the hosts then each decode every row, split by "model")."""
     d = axis_size(mesh, DATA)
-    return DATA if d > 1 and batch % d == 0 else None
+    return DATA if d > 1 and batch % d == 0 and jax.process_count() == 1 else None
 
 
 def cache_shardings(cache, cfg, mesh: Mesh):

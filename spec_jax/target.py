@@ -153,18 +153,42 @@ class Target:
 
     def identity(self) -> dict[str, Any]:
         """What draft heads and datastores record of the target they were made for, and check
-        against the target they are used with: family, shapes and weights' fingerprint."""
+        against the target they are used with (`same_target`): family, shapes and the weights'
+        fingerprints ("fingerprint": of this dtype's values; "weights": the same for a float32
+        and a bfloat16 load of one checkpoint)."""
         c = self.cfg
         return {"family": c.family, "hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
-                "num_layers": c.num_layers, "fingerprint": self.fingerprint()}
+                "num_layers": c.num_layers, "fingerprint": self.fingerprint(),
+                "weights": self.fingerprint(any_dtype=True)}
 
-    def fingerprint(self) -> str:
-        """A short hash of the architecture and a sample of the weights (draft heads check it)."""
+    def fingerprint(self, any_dtype: bool = False) -> str:
+        """A short hash of the architecture and a sample of the weights (draft heads check it and
+        the sizing cache is keyed by it). any_dtype: of the sample rounded to bfloat16, so a
+        float32 and a bfloat16 load of the same checkpoint agree (heads trained on one serve the
+        other)."""
         h = hashlib.sha256(json.dumps(
             {k: v for k, v in self.cfg.to_dict().items() if k != "dtype"}, sort_keys=True).encode())
-        emb = np.asarray(jnp.asarray(self.params["embed"][:64, :64], jnp.float32))
-        h.update(np.round(emb, 3).tobytes())
+        emb = self.params["embed"]
+        if isinstance(emb, jax.Array) and not emb.is_fully_addressable:  # hosts hold parts of it:
+            from jax.sharding import NamedSharding, PartitionSpec  # each gets the corner whole
+
+            emb = jax.jit(lambda e: e[:64, :64], out_shardings=NamedSharding(
+                emb.sharding.mesh, PartitionSpec()))(emb).addressable_data(0)
+        if any_dtype:
+            h.update(b"bf16")
+            h.update(np.asarray(jnp.asarray(emb[:64, :64]).astype(jnp.bfloat16), np.float32).tobytes())
+        else:
+            h.update(np.round(np.asarray(jnp.asarray(emb[:64, :64], jnp.float32)), 3).tobytes())
         return h.hexdigest()[:16]
+
+
+def same_target(mine: dict, theirs: dict) -> list[str]:
+    """The identity fields (`Target.identity`) on which a record `mine` (of heads or a datastore)
+    and a target's `theirs` differ: the shapes, and the dtype-free weights fingerprint where both
+    have one, else the fingerprint of the dtype (records written before "weights" existed)."""
+    keys = ["family", "hidden_size", "vocab_size", "num_layers"]
+    keys.append("weights" if "weights" in mine and "weights" in theirs else "fingerprint")
+    return [k for k in keys if k in mine and mine[k] != theirs[k]]
 
 
 def load_target(path: str | Path, dtype: str | None = None, layers: str = "auto",
@@ -179,17 +203,26 @@ def load_target(path: str | Path, dtype: str | None = None, layers: str = "auto"
     when the kernel builds and the weights are float32, else unrolled on CPU; scan elsewhere). A
     packed layout with codes is cached for the next load (`packed_cached`).
 
+    dtype: None loads float32 checkpoints in bfloat16 on GPUs and TPUs (`serving_dtype`) and as
+    stored on CPUs; "float32" or "bfloat16" casts as it loads.
+
     mesh: a `jax.sharding.Mesh` with axes "data" and/or "model": the parameters are placed on it
     by `spec_jax.sharding.RULES` (stacked layers: "auto" is "scan" there) and `generate` runs the
-    same compiled loop partitioned over it."""
+    same compiled loop partitioned over it. Each device's shard is read from disk directly
+    (`_load_sharded`): no host holds a full copy, and on a mesh spanning several hosts
+    (`spec_jax.distributed`) each host reads only its own devices' shards."""
     path = Path(path)
     layers = _mesh_layers(mesh, layers)
     meta = read_meta(path, "target", "create one with `spec-jax fetch smollm2-135m-instruct` "
                      "or `spec-jax convert --hf DIR --out DIR`")
     cfg = config_from_meta(path, meta["config"])
+    dtype = dtype or serving_dtype(cfg, mesh)
     convert = dtype is not None and dtype != cfg.dtype
     if convert:
         cfg = dataclasses.replace(cfg, dtype=dtype)
+    if mesh is not None:
+        params = _load_sharded(path, cfg, mesh, dtype if convert else None)
+        return Target(cfg=cfg, params=params, tokenizer=load_tokenizer(path), path=path, mesh=mesh)
     layout = resolve_layers(cfg, layers)
     cached = _packed_cache_read(path) if layout == "packed" and not convert else None
     # on a packed-cache hit the float32 matrices it holds as codes are not read at all
@@ -204,11 +237,35 @@ def load_target(path: str | Path, dtype: str | None = None, layers: str = "auto"
         params = packed_cached(path, params, cfg)
     else:
         params = arrange_layers(params, cfg, layers)
-    if mesh is not None:
-        from spec_jax.sharding import shard_params
-
-        params = shard_params(params, cfg, mesh)
     return Target(cfg=cfg, params=params, tokenizer=load_tokenizer(path), path=path, mesh=mesh)
+
+
+ACCELERATORS = ("gpu", "tpu")
+
+
+def serving_dtype(cfg: ModelConfig, mesh=None) -> str | None:
+    """The dtype a target loads in when `load_target` is given none: bfloat16 for a float32
+    checkpoint on a GPU or TPU (what models are served in there: half the bytes a step reads,
+    the matrix units' native type), else the checkpoint's own (None). float32 stays the CPU's
+    default, where the packed kernels read it exactly and the tests compare bit for bit; pass
+    dtype="float32" to keep it on an accelerator."""
+    device = mesh.devices.flat[0] if mesh is not None else jax.local_devices()[0]
+    return "bfloat16" if cfg.dtype == "float32" and device.platform in ACCELERATORS else None
+
+
+def _load_sharded(path: Path, cfg: ModelConfig, mesh, dtype: str | None):
+    """The target's parameters placed on `mesh` by `spec_jax.sharding.RULES`, each device's shard
+    restored from disk by Orbax (cast to `dtype`, where given, shard by shard as it is read) in
+    the stacked layout the checkpoint holds ("scan"). The shapes are checked against the config
+    from the checkpoint's metadata before any array is read; finiteness shard by shard."""
+    from spec_jax.io import param_shapes
+    from spec_jax.sharding import abstract_params
+
+    shapes = param_shapes(path / "params")
+    check_shapes(path, cfg, shapes)
+    params = load_params(path / "params", target=abstract_params(shapes, cfg, mesh, dtype))
+    check_finite(params, f"the target at {path}")
+    return params
 
 
 def _mesh_layers(mesh, layers: str) -> str:

@@ -105,3 +105,48 @@ def test_triton_split_k_equals_reference():
     live = np.asarray(lse_ref) > -1e29
     np.testing.assert_allclose(np.asarray(o)[live], np.asarray(o_ref)[live], atol=1e-5, rtol=0)
     np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_ref), atol=1e-4, rtol=1e-6)
+
+
+def _shard_maps(mesh, impl, case=(2, 3, 4, 2, 16, 128, [5, 100])):
+    """The shard_map equations of tree attention traced for `mesh` (abstract: no devices)."""
+    args = make_inputs(*case, jnp.float32, 0)
+    jaxpr = jax.make_jaxpr(lambda *a: tree_attention(*a, impl=impl, mesh=mesh))(*args)
+    return [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "shard_map"]
+
+
+def test_split_axes_split_what_divides_and_replicate_the_rest():
+    from jax.sharding import AbstractMesh
+
+    from pallas_kernels.sharded import split_axes
+
+    m24 = AbstractMesh((2, 4), ("data", "model"))
+    assert split_axes(m24, 2, 8, 4) == ("data", "model")
+    assert split_axes(m24, 3, 8, 4) == (None, "model")  # 3 rows on 2 devices: replicated
+    assert split_axes(m24, 2, 8, 2) == ("data", None)  # 2 KV heads on 4 devices: replicated
+    assert split_axes(AbstractMesh((2, 3), ("data", "model")), 4, 9, 3) == ("data", "model")
+    assert split_axes(AbstractMesh((8,), ("data",)), 8, 8, 8) == ("data", None)
+    assert split_axes(AbstractMesh((4,), ("x",)), 8, 8, 8) == (None, None)  # other axes
+
+
+@pytest.mark.parametrize("impl", ["pallas_interpret", "cpu"])
+def test_a_kernel_on_a_mesh_runs_per_shard(impl):
+    from jax.sharding import AbstractMesh
+
+    from pallas_kernels.cpu import build
+
+    if impl == "cpu" and not build.available():
+        pytest.skip("the CPU kernel is not built here")
+    (eq,) = _shard_maps(AbstractMesh((2, 4), ("data", "model")), impl)
+    q, k_cache = (v.aval.shape for v in eq.params["jaxpr"].invars[:2])
+    assert q == (1, 3, 2, 16) and k_cache == (1, 1, 128, 16)  # a row, 2 of 8 heads, 1 of 4 KV
+    # 3 rows do not split over 2 devices: replicated, each device computes all of them
+    (eq,) = _shard_maps(AbstractMesh((2, 4), ("data", "model")), impl,
+                        (3, 3, 4, 2, 16, 128, [5, 100, 0]))
+    assert eq.params["jaxpr"].invars[0].aval.shape == (3, 3, 2, 16)
+
+
+def test_xla_attention_and_one_device_need_no_shard_map():
+    from jax.sharding import AbstractMesh
+
+    assert _shard_maps(AbstractMesh((2, 4), ("data", "model")), "xla") == []  # XLA partitions it
+    assert _shard_maps(None, "pallas_interpret") == []  # operands on no mesh

@@ -1,5 +1,6 @@
-"""Sharding on a mesh of 8 virtual CPU devices: the same tokens as one device, and the parameters
-and caches really split (tests/mesh/run_mesh.py, in a process of its own)."""
+"""Sharding on a mesh of 8 virtual CPU devices: the same tokens as one device (with the attention
+kernels run per shard too), and the parameters and caches really split (tests/mesh/run_mesh.py, in
+a process of its own)."""
 import json
 import os
 import subprocess
@@ -38,6 +39,10 @@ def test_meshes_decode_as_one_device_and_split_what_they_hold():
     # rows split over "data" where the batch (2 rows) divides: the 2x4 mesh
     assert report["meshes"]["2x4"]["cache_k_spec"] == "P(None, 'data', 'model', None, None)"
     assert report["meshes"]["2x4"]["cache_fraction_dev0"] == pytest.approx(1 / 8)
+    # the attention kernels per shard (rows over "data", heads over "model"): one device's tokens
+    kernels = report["kernels_2x4"]
+    assert all(kernels["equal"].values()) and "pallas_interpret" in kernels["equal"], kernels
+    assert kernels["ffi_in_loop"] == kernels["cpu_built"]  # "cpu" ran the FFI kernel, not XLA's
 
 
 @pytest.mark.smollm2

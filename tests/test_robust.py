@@ -411,3 +411,42 @@ def test_a_packed_cache_write_killed_midway_leaves_no_orphan(tmp_path):
         f.write_bytes(b"half a file")
     _drop_orphans(file)
     assert not dead.exists() and live.exists()
+
+
+def test_heads_made_for_a_float32_target_serve_its_bfloat16_load():
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from tests.conftest import tiny_config
+
+    t32 = spec_jax.random_target(tiny_config(), seed=3, scale=0.3)
+    t16 = spec_jax.Target(cfg=dataclasses.replace(t32.cfg, dtype="bfloat16"),
+                          params=jax.tree.map(lambda a: a.astype(jnp.bfloat16), t32.params))
+    heads = spec_jax.init_draft(t32, "eagle")
+    assert t16.fingerprint() != t32.fingerprint()  # the sizing keys each dtype on its own
+    heads.check_target(t16)  # but the heads are the same target's
+    other = spec_jax.random_target(tiny_config(), seed=4, scale=0.3)
+    with pytest.raises(SpecJaxError, match="weights differ"):
+        heads.check_target(other)
+    legacy = dict(heads.target_info)
+    legacy.pop("weights")  # heads saved before the dtype-free fingerprint: the exact one decides
+    heads.target_info = legacy
+    heads.check_target(t32)
+    with pytest.raises(SpecJaxError, match="fingerprint differ"):
+        heads.check_target(t16)
+
+
+def test_float32_checkpoints_serve_in_bfloat16_on_accelerators_only(monkeypatch):
+    from types import SimpleNamespace
+
+    import spec_jax.target as tgt
+    from tests.conftest import tiny_config
+
+    cfg = tiny_config()
+    assert tgt.serving_dtype(cfg) is None  # the CPU: as stored
+    for platform, want in [("gpu", "bfloat16"), ("tpu", "bfloat16"), ("cpu", None)]:
+        monkeypatch.setattr(tgt.jax, "local_devices", lambda p=platform: [SimpleNamespace(platform=p)])
+        assert tgt.serving_dtype(cfg) == want
+        assert tgt.serving_dtype(tiny_config(dtype="bfloat16")) is None  # already bfloat16

@@ -1,10 +1,13 @@
 """The prefill and the draft-verify loop compiled for real TPU topologies on this CPU-only host
-(libtpu's compiler, abstract devices and shapes: no TPU and no weights; spec_jax.plan). A failure
-to compile is a failure, not a skip."""
+(libtpu's compiler, abstract devices and shapes: no TPU and no weights; spec_jax.plan), with the
+Pallas (Mosaic) kernel as the attention, run per chip. A failure to compile is a failure, not a
+skip. Programs are compiled once per module (`_compiled`) and shared by the tests that read them."""
+import functools
+
 import pytest
 
 from spec_jax.config import ModelConfig
-from spec_jax.plan import abstract_heads, abstract_target, compile_plan, topology_mesh
+from spec_jax.plan import MOSAIC, abstract_heads, abstract_target, compile_plan, topology_mesh
 
 # Llama-3-shaped (GQA, SwiGLU, llama3 RoPE), bfloat16, small enough to compile in seconds
 CFG = ModelConfig(vocab_size=4096, hidden_size=512, intermediate_size=1536, num_layers=4,
@@ -25,12 +28,28 @@ def _weights_per_chip(model: int) -> float:
     return 2 * split / model  # bfloat16; the norms are a rounding error
 
 
+def _heads(mesh, method):
+    if method == "plain":
+        return None, ()
+    return abstract_heads(CFG, method, abstract_target(CFG, mesh), mesh, TREES[method])
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled(topology, data, model, method, batch=1, attn_impl="pallas"):
+    """compile_plan's programs, compiled once for every test that asks for the same ones."""
+    mesh = topology_mesh(topology, data=data, model=model)
+    d, dp = _heads(mesh, method)
+    return compile_plan(CFG, mesh, batch=batch, context=1024, drafter=d, dparams=dp,
+                        attn_impl=attn_impl)
+
+
+def _mosaic_line(hlo: str) -> str:
+    return next(line for line in hlo.splitlines() if MOSAIC in line)
+
+
 @pytest.mark.parametrize("method", list(TREES))
-def test_every_drafter_compiles_for_v5e_2x2(method):
-    mesh = topology_mesh("v5e:2x2", data=1, model=4)
-    d, dp = (None, ()) if method == "plain" else abstract_heads(
-        CFG, method, abstract_target(CFG, mesh), mesh, TREES[method])
-    r = compile_plan(CFG, mesh, batch=1, context=1024, drafter=d, dparams=dp)
+def test_every_drafter_compiles_for_v5e_2x2_with_the_pallas_kernel(method):
+    r = _compiled("v5e:2x2", 1, 4, method)
     assert set(r) == {"prefill", "loop"}
     cache = 2 * CFG.num_layers * 1024 * CFG.num_kv_heads * CFG.head_dim * 2 / 4  # K+V, by KV head
     for c in r.values():
@@ -38,17 +57,36 @@ def test_every_drafter_compiles_for_v5e_2x2(method):
         # each chip holds a quarter of the weights and of the cache (and its shards of the
         # heads): at least that, and well under one unsplit copy of the target
         assert _weights_per_chip(4) + cache <= c.argument_bytes < 0.5 * _weights_per_chip(1)
+        # the attention is the Mosaic kernel, per chip (under shard_map): it reads the chip's
+        # own KV head of the cache [B, KVH / 4, S, D], not a gathered copy
+        assert c.mosaic_calls >= 1 and MOSAIC in c.hlo
+        assert f"bf16[1,{CFG.num_kv_heads // 4},1024,{CFG.head_dim}]" in _mosaic_line(c.hlo)
+        assert c.fusions > 0 and c.custom_calls >= c.mosaic_calls
     assert "all-reduce" in r["loop"].hlo  # XLA partitioned the model over the 4 chips
 
 
-@pytest.mark.parametrize("topology,data,model", [("v6e:2x4", 2, 4), ("v5p:2x2x2", 2, 4)])
-@pytest.mark.parametrize("method", ["plain", "eagle3"])
+def test_xla_attention_stays_an_option():
+    pallas, xla = _compiled("v5e:2x2", 1, 4, "plain"), _compiled("v5e:2x2", 1, 4, "plain",
+                                                                  attn_impl="xla")
+    for name, c in xla.items():
+        assert c.mosaic_calls == 0 and MOSAIC not in c.hlo and c.fusions > 0
+        # the same weights and cache either way
+        assert c.argument_bytes == pallas[name].argument_bytes
+
+
+# v5e and v6e slices of 4 and 8 chips (and a v5p cube) with a tree drafter or plain decoding
+SLICES = [("v5e:2x4", 2, 4, "eagle3"), ("v6e:2x2", 1, 4, "eagle3"), ("v6e:2x4", 2, 4, "plain"),
+          ("v6e:2x4", 2, 4, "eagle3"), ("v5p:2x2x2", 2, 4, "plain")]
+
+
+@pytest.mark.parametrize("topology,data,model,method", SLICES)
 def test_data_and_model_parallel_slices_compile(topology, data, model, method):
-    mesh = topology_mesh(topology, data=data, model=model)
-    d, dp = (None, ()) if method == "plain" else abstract_heads(
-        CFG, method, abstract_target(CFG, mesh), mesh, TREES[method])
-    r = compile_plan(CFG, mesh, batch=2 * data, context=1024, drafter=d, dparams=dp)
-    assert r["loop"].argument_bytes >= _weights_per_chip(model)
+    r = _compiled(topology, data, model, method, batch=2 * data)
+    for c in r.values():
+        assert c.argument_bytes >= _weights_per_chip(model)
+        # the Pallas kernel per chip: its 2 rows (of 2 x data) and its KV head (of 4)
+        assert c.mosaic_calls >= 1
+        assert f"bf16[2,{CFG.num_kv_heads // model},1024,{CFG.head_dim}]" in _mosaic_line(c.hlo)
 
 
 def test_an_unknown_topology_is_a_clear_error():
@@ -84,6 +122,11 @@ def test_plan_answers_fits_and_what_would_fit(tmp_path):
                   "1024", "--draft", "eagle3", "--tree", "dynamic:8,6,32")
     assert r["compiled"] and r["fits"] and r["per_chip_bytes"] < r["hbm_bytes"]
     assert 0 < r["plain_step_seconds"] <= r["tree_step_seconds"] and r["tree_tokens"] == 32
+    assert r["attention"] == "pallas"  # compiled with the Mosaic kernel, counted per program
+    for run in ("plain", "tree"):
+        for program in ("prefill", "loop"):
+            counts = r["hlo_counts"][run][program]
+            assert counts["fusions"] > 0 and counts["custom_calls"] >= counts["mosaic_calls"] >= 1
     # a context whose cache cannot fit 16 GB chips: an answer, not a crash
     big = _plan_cli(tmp_path, "--topology", "v5e:2x2", "--batch", "64", "--context", "131072")
     assert big["fits"] is False and not big["compiled"] and big["would_fit"]

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from spec_jax.errors import SpecJaxError
+from spec_jax.target import same_target
 
 _MULT = (np.uint32(0x01000193), np.uint32(0x5BD1E995))
 _SEED = (np.uint32(0x9E3779B1), np.uint32(0x85EBCA77))
@@ -56,7 +57,7 @@ class Datastore:
 
     def check_target(self, target) -> None:
         mine, theirs = self.info.get("target", {}), target.identity()
-        bad = [k for k in ("vocab_size", "fingerprint") if k in mine and mine[k] != theirs[k]]
+        bad = same_target(mine, theirs)
         if bad:
             raise SpecJaxError(f"this datastore was built from another target's output ({', '.join(bad)} "
                                "differ): build one for this target with `spec-jax datastore`")

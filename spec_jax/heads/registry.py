@@ -10,6 +10,7 @@ import jax
 
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.methods import METHODS, method_of
+from spec_jax.target import same_target
 from spec_jax.tree_spec import Dynamic, Plain, Static, Switch, parse
 
 
@@ -24,8 +25,7 @@ class DraftHeads:
     def check_target(self, target) -> None:
         mine = self.target_info
         theirs = target.identity()
-        bad = [k for k in ("family", "hidden_size", "vocab_size", "num_layers", "fingerprint")
-               if k in mine and mine[k] != theirs[k]]
+        bad = same_target(mine, theirs)
         if bad:
             raise SpecJaxError(
                 f"these {self.method} heads were trained for another target ({', '.join(bad)} differ: "

@@ -15,9 +15,10 @@ import spec_jax  # noqa: E402
 from spec_jax.config import ModelConfig  # noqa: E402
 from spec_jax.sharding import shard_fraction  # noqa: E402
 
-# a tiny target whose heads, KV heads, MLP and vocabulary divide by 8
+# a tiny target whose heads, KV heads, MLP and vocabulary divide by 8; head_dim 16: the CPU
+# attention kernel's smallest (with 8, "auto" and "cpu" would run XLA's attention)
 CFG = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
-                  num_kv_heads=8, head_dim=8, max_position_embeddings=4096)
+                  num_kv_heads=8, head_dim=16, max_position_embeddings=4096)
 DRAFTS = {"plain": (None, None), "ngram": ("ngram", "chain:3"),
           "eagle": ("eagle", "dynamic:2,3,6"), "eagle3": ("eagle3", "dynamic:2,3,6"),
           "mtp": ("mtp", None), "medusa": ("medusa", "[[0],[1],[0,0]]")}
@@ -38,6 +39,25 @@ def decode(target, heads, sampled: bool):
                                        stop_at_eos=False, fallback=False, **kw)
         out[name] = [r.token_ids for r in rows]
     return out
+
+
+def kernels_on_mesh(heads, want: dict) -> dict:
+    """Greedy EAGLE-3 decoding on a 2x4 mesh (rows over "data", heads over "model") with each
+    attention kernel run per shard, against one device's tokens; and whether the loop compiled
+    for "cpu" holds the kernel's FFI call (not XLA's attention in its place)."""
+    from pallas_kernels.cpu import build
+
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("data", "model"))
+    t = spec_jax.random_target(CFG, seed=0, scale=0.3, mesh=mesh)
+    method, tree = DRAFTS["eagle3"]
+    out = {}
+    for impl in ("cpu", "pallas_interpret") if build.available() else ("pallas_interpret",):
+        rows = spec_jax.generate_batch(t, PROMPTS, 12, draft=heads[method], tree=tree,
+                                       stop_at_eos=False, fallback=False, attn_impl=impl)
+        out[impl] = [r.token_ids for r in rows] == want["eagle3"]
+    loops = [fn.as_text() for k, fn in t.compiled.items() if k[0] == "loop"]
+    return {"equal": out, "cpu_built": build.available(),
+            "ffi_in_loop": any("spec_jax_tree_attention" in text for text in loops)}
 
 
 def smollm2(path: str):
@@ -86,6 +106,7 @@ def main():
             "cache_fraction_dev0": shard_fraction(cache.k, jax.devices()[0]),
             "head_wq_spec": str(bound["layer"]["wq"].sharding.spec),
         }
+    report["kernels_2x4"] = kernels_on_mesh(heads, want[False])
     print(json.dumps(report))
 
 
