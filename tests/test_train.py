@@ -244,7 +244,7 @@ def test_distill_stores_length_sorted_batches_in_prompt_order(tmp_path, tiny_tar
                 return [1 + ord(c) % (self.cfg.vocab_size - 1) for c in prompt]
             return super().encode(prompt, chat)
 
-        def fingerprint(self):
+        def fingerprint(self, any_dtype=False):
             return "tiny"
 
     target = CharTarget(cfg=tiny_target.cfg, params=tiny_target.params)

@@ -9,7 +9,7 @@
 // Here one call per layer reads only slots below each row's length, and each key row is scored
 // against up to 16 queries of its KV head at once (four vector lanes each, `score_rows`); their
 // softmaxes run lane-parallel (one lane each), and with AVX-512 several of them share each value
-// row they sum (verifying 8 tokens: 1.5x the speed of one query at a time, docs/benchmarks.md).
+// row they sum (verifying 8 tokens: 1.5x the speed of one query at a time, run 38 in docs/results.md).
 // A prefill's long causal block is scored only up to each item's last visible key, and the block
 // keys all of an item's queries see go with the cache keys (vector-wide, not lane by lane). Past
 // 256 keys a query's keys are split by rank into windows, each a partial softmax, merged in order
