@@ -11,8 +11,8 @@ unless the user named one: sized for B on first use, then cached) over the same 
 time with `generate_batch`. Every batch size covers the same prompts (B=1: one call per prompt,
 B=16: one call for 16), so acceptance compares across the rows. Calls are interleaved group by
 group so that drift on a shared host hits every method alike, every other round in reverse order
-(two methods running the same program once measured 9% apart at batch 16); a call that compiled is run again,
-compiled (compile and sizing are never timed). Each method runs `rounds` times and keeps its
+(two methods running the same program once measured 9% apart at batch 16); a call that compiled
+is run again (compile and sizing are never timed). Each method runs `rounds` times and keeps its
 faster round; the spread between rounds is the host's noise, printed beside the speedups.
 """
 from __future__ import annotations

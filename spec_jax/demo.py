@@ -79,14 +79,13 @@ def methods(target, draft_dirs: list[Path], say=print) -> list[Method]:
     import spec_jax
     from spec_jax.sizing import choice_name, choice_of, size_ngram, size_tree
     from spec_jax.sizing.choice import break_even
+    from spec_jax.sizing.names import PLAIN
 
     def method(label, draft, report):
-        tree = choice_of(report)
-        m = Method(label, draft, choice_name(*tree))
-        m.sized_plain = tree[0] == "plain"
+        tree, fallback = choice_of(report)
         even = break_even(report.get("measured") or [])
-        m.break_even = even[0] if even else None
-        return m
+        return Method(label, draft, choice_name(tree, fallback), even[0] if even else None,
+                      sized_plain=tree == PLAIN)
 
     out = [Method("plain", None), method("n-gram", "ngram", size_ngram(target)[1])]
     for d in draft_dirs:
@@ -155,16 +154,15 @@ def why(m: Method, rows: dict, plain: dict) -> list[str]:
     lost = [k for k, r in rows.items() if r.tok_s < (1 - NOISE) * plain[k].tok_s]
     if not lost:
         return []
-    name = m.label
     if m.sized_plain:
-        return [f"{name} lost on {', '.join(lost)}: its sizing found no tree that beat plain "
+        return [f"{m.label} lost on {', '.join(lost)}: its sizing found no tree that beat plain "
                 "decoding on this machine, so it decodes plainly with a tree step now and then "
                 "to find out whether the drafts have started to pay."]
     taus = ", ".join(f"{rows[k].tau:.2f} tokens a step on {k}" for k in lost)
     # what a tree step cost here in plain steps: tau x plain tok/s / its tok/s
     cost = max(rows[k].tau * plain[k].tok_s / rows[k].tok_s for k in lost if rows[k].tok_s > 0)
     even = f"{m.break_even:.2f}" if m.break_even else f"{cost:.2f}"
-    return [f"{name} lost on {', '.join(lost)}: it accepted {taus}, and a tree step "
+    return [f"{m.label} lost on {', '.join(lost)}: it accepted {taus}, and a tree step "
             f"must accept {even} to beat a plain step on this machine (the break-even its sizing "
             f"measured; here a step cost up to {cost:.2f} plain steps)."]
 

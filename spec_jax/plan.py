@@ -30,7 +30,7 @@ from spec_jax.cache import cache_for
 from spec_jax.config import ModelConfig
 from spec_jax.errors import SpecJaxError
 from spec_jax.heads.base import Drafter
-from spec_jax.sharding import DATA, batch_axis, cache_shardings, param_shardings
+from spec_jax.sharding import DATA, abstract_params, batch_axis, cache_shardings
 from spec_jax.step import LoopSettings, compiled_loop, compiled_prefill
 
 
@@ -86,8 +86,7 @@ def abstract_target(cfg: ModelConfig, mesh: Mesh):
 
     dt = jnp.dtype(cfg.dtype)
     shapes = jax.eval_shape(lambda: init_params(cfg, jax.random.PRNGKey(0)))
-    shapes = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, dt), shapes)
-    return _abstract(shapes, param_shardings(shapes, cfg, mesh))
+    return abstract_params(shapes, cfg, mesh, dt)
 
 
 def abstract_heads(cfg: ModelConfig, method: str, tparams, mesh: Mesh, tree=None, **hparams):
@@ -113,7 +112,7 @@ def abstract_heads(cfg: ModelConfig, method: str, tparams, mesh: Mesh, tree=None
     heads = DraftHeads(method=method, params=None, hparams=box["hparams"], target_info={}, tcfg=cfg)
     drafter = heads.drafter(tree)
     bound = jax.eval_shape(lambda p, t: bind_target(p, t, cfg), hshapes, tparams)
-    return drafter, _abstract(bound, param_shardings(bound, cfg, mesh))
+    return drafter, abstract_params(bound, cfg, mesh)
 
 
 FUSION = re.compile(r"\sfusion\(")  # an instruction's opcode: `%name = type fusion(operands...`

@@ -74,6 +74,15 @@ def _llama_config(heads, target, fmt: str) -> dict:
             "torch_dtype": c.dtype, "num_hidden_layers": 1}
 
 
+def _with_vocab(files: dict, conf: dict, p: dict) -> tuple[dict, dict]:
+    """(files, conf) with the heads' draft vocabulary, where they have one, in its own file beside
+    the published weights (DRAFT_VOCAB) and its size in the config."""
+    if "d2t" in p:
+        files[DRAFT_VOCAB] = _vocab_out(p)
+        conf["draft_vocab_size"] = len(files[DRAFT_VOCAB]["d2t"])
+    return files, conf
+
+
 def _vocab_out(p: dict) -> dict:
     """A draft vocabulary as EAGLE-3 stores it: `d2t` offsets (target id = draft id + offset) and
     `t2d`, the target ids it holds marked."""
@@ -121,10 +130,7 @@ def _export_eagle(heads, target):
     if "bq" in p["layer"]:
         conf["qkv_bias"] = True
     files = {"model.safetensors": out}
-    if "d2t" in p:
-        files[DRAFT_VOCAB] = _vocab_out(p)
-        conf["draft_vocab_size"] = len(files[DRAFT_VOCAB]["d2t"])
-    return files, conf
+    return _with_vocab(files, conf, p)
 
 
 def _export_eagle3(heads, target):
@@ -174,10 +180,7 @@ def _export_medusa(heads, target):
     conf.setdefault("base_model_name_or_path",
                     str(target.path) if target is not None and target.path else "")
     files = {"medusa_lm_head.safetensors": out}
-    if "d2t" in p:
-        files[DRAFT_VOCAB] = _vocab_out(p)
-        conf["draft_vocab_size"] = len(files[DRAFT_VOCAB]["d2t"])
-    return files, conf
+    return _with_vocab(files, conf, p)
 
 
 EXPORTERS = {"eagle": _export_eagle, "eagle3": _export_eagle3, "medusa": _export_medusa}
